@@ -1,0 +1,90 @@
+"""The ``genrec`` command line: one entry point, subcommands registered by each module.
+
+Each module that owns a step exposes ``register(commands, groups)`` in its own
+``cli.py``; this file only wires them together, so ``genrec --help`` stays fast
+(heavy imports such as torch happen inside the command handlers).
+
+Example::
+
+    $ genrec --help
+    $ genrec kafka up
+    $ genrec ingest --exit-when-idle 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+# Modules that add subcommands, in the order they appear in --help.
+COMMAND_MODULES = (
+    "genrec.infra.commands",
+    "genrec.ingest.cli",
+    "genrec.offline.cli",
+    "genrec.online.cli",
+)
+
+Handler = Callable[[argparse.Namespace], int | None]
+
+
+class CommandGroups:
+    """Shared parent commands (``offline``, ``bench``) that several modules extend."""
+
+    def __init__(self, commands: argparse._SubParsersAction) -> None:
+        self._commands = commands
+        self._groups: dict[str, argparse._SubParsersAction] = {}
+
+    def group(self, name: str, help_text: str) -> argparse._SubParsersAction:
+        """The subparsers of ``genrec NAME``, created on first use."""
+        if name not in self._groups:
+            parser = self._commands.add_parser(name, help=help_text, description=help_text)
+            self._groups[name] = parser.add_subparsers(dest=f"{name}_command", metavar="COMMAND")
+            parser.set_defaults(handler=lambda _args, p=parser: p.print_help() or 2)
+        return self._groups[name]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="genrec",
+        description="Streaming generative recommendation: Kafka ingest, semantic IDs, "
+        "speculative beam search.",
+    )
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: settings)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    groups = CommandGroups(commands)
+    for module_name in COMMAND_MODULES:
+        module = importlib.import_module(module_name)
+        module.register(commands, groups)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Handler | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help()
+        return 2
+    from genrec.infra.logs import configure_logging
+    from genrec.infra.settings import get_settings
+
+    configure_logging(args.log_level or get_settings().log_level)
+    try:
+        result = handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except UserFacingError as exc:
+        logging.getLogger("genrec").error("%s", exc)
+        return 2
+    return int(result or 0)
+
+
+class UserFacingError(Exception):
+    """An error whose message is the whole story (bad input, missing prerequisite)."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
