@@ -1,0 +1,63 @@
+"""The evaluation protocol's data split: leave-one-out by time, fixed for every model.
+
+Each user's events are in stable time order (ties keep source order, see
+``genrec.offline.history``). The last item is the test target, the one before
+it the validation target; training sees everything before the validation item.
+Evaluating the test target uses the full history up to (and including) the
+validation item.
+
+Example::
+
+    >>> split = leave_one_out({"u1": ["a", "b", "c", "d"]})
+    >>> split.train["u1"], split.valid["u1"].target, split.test["u1"].history
+    (['a', 'b'], 'c', ['a', 'b', 'c'])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+MIN_EVENTS = 3  # a user needs a training item, a validation item and a test item
+
+
+@dataclass(frozen=True)
+class Case:
+    """One prediction to make: the items seen so far and the item that came next."""
+
+    user_id: str
+    history: list[str]
+    target: str
+
+
+@dataclass(frozen=True)
+class Split:
+    train: dict[str, list[str]]
+    valid: dict[str, Case]
+    test: dict[str, Case]
+
+
+def leave_one_out(sequences: Mapping[str, Sequence[str]]) -> Split:
+    """Split each user's time-ordered item sequence; users with < 3 events train only."""
+    train: dict[str, list[str]] = {}
+    valid: dict[str, Case] = {}
+    test: dict[str, Case] = {}
+    for user_id, sequence in sequences.items():
+        items = list(sequence)
+        if len(items) < MIN_EVENTS:
+            train[user_id] = items
+            continue
+        train[user_id] = items[:-2]
+        valid[user_id] = Case(user_id, items[:-2], items[-2])
+        test[user_id] = Case(user_id, items[:-1], items[-1])
+    return Split(train, valid, test)
+
+
+def load_split(engine: Engine) -> Split:
+    """The leave-one-out split of every user in the behavior store."""
+    from genrec.offline.history import load_user_histories
+
+    histories = load_user_histories(engine)
+    return leave_one_out({user: [e.item_id for e in events] for user, events in histories.items()})
