@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Streaming generative recommendation: Kafka ingest, semantic IDs, "
         "speculative beam search.",
     )
-    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: settings)")
+    parser.add_argument(
+        "--log-level", default=None, help="DEBUG, INFO, WARNING (default: settings)"
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups = CommandGroups(commands)
     for module_name in COMMAND_MODULES:

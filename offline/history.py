@@ -28,7 +28,9 @@ class HistoryEvent:
     event_id: str
 
 
-def load_user_histories(engine: Engine, *, until_ts_ms: int | None = None) -> dict[str, list[HistoryEvent]]:
+def load_user_histories(
+    engine: Engine, *, until_ts_ms: int | None = None
+) -> dict[str, list[HistoryEvent]]:
     """Every user's events in time order (stable), optionally only those up to ``until_ts_ms``."""
     query = select(events.c.user_id, events.c.item_id, events.c.ts_ms, events.c.event_id).order_by(
         events.c.user_id, events.c.ts_ms, events.c.id

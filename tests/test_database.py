@@ -1,0 +1,42 @@
+from sqlalchemy import insert, inspect, select
+
+from genrec.infra.database import make_engine
+from genrec.infra.settings import Settings, redact_url
+from genrec.schemas.tables import events
+
+
+def test_store_tables_are_created_and_writable(database_url):
+    engine = make_engine(database_url)
+    assert {"items", "users", "events"} <= set(inspect(engine).get_table_names())
+    row = {"event_id": "e1", "user_id": "u", "item_id": "i", "event_type": "view", "ts_ms": 1}
+    with engine.begin() as connection:
+        connection.execute(insert(events), [row])
+    with engine.connect() as connection:
+        assert connection.execute(select(events.c.event_id)).scalars().all() == ["e1"]
+    engine.dispose()
+
+
+def test_settings_honour_home_and_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("GENREC_HOME", str(tmp_path))
+    monkeypatch.setenv("GENREC_KAFKA__BOOTSTRAP", "127.0.0.1:19092")
+    settings = Settings()
+    assert settings.data_dir == tmp_path / "var"
+    assert settings.database_url == f"sqlite:///{tmp_path / 'var' / 'genrec.db'}"
+    assert settings.kafka.client_config()["bootstrap_servers"] == ["127.0.0.1:19092"]
+
+
+def test_settings_read_toml_and_keep_secrets_out_of_dumps(monkeypatch, tmp_path):
+    config = tmp_path / "genrec.toml"
+    config.write_text(
+        'database_url = "postgresql://genrec:hunter2@db:5432/genrec"\n'
+        "[kafka]\n"
+        'security_protocol = "SASL_SSL"\nsasl_mechanism = "PLAIN"\n'
+        'sasl_plain_username = "svc"\nsasl_plain_password = "s3cret"\n'
+    )
+    monkeypatch.setenv("GENREC_CONFIG", str(config))
+    settings = Settings()
+    client = settings.kafka.client_config()
+    assert client["sasl_plain_password"] == "s3cret" and client["security_protocol"] == "SASL_SSL"
+    dumped = str(settings.redacted())
+    assert "s3cret" not in dumped and "hunter2" not in dumped
+    assert redact_url("postgresql://u:p@h/d") == "postgresql://u:***@h/d"
