@@ -1,0 +1,372 @@
+"""The evaluation step: one fixed protocol, HR/NDCG metrics, and every ranker compared.
+
+Protocol (docs/evaluation.md): leave-one-out by time (``genrec.offline.splits``),
+ranking over the full catalog, items already in the user's history excluded,
+HR@{5,10,20} and NDCG@{5,10,20} averaged over users with a test case.
+
+A *ranker* is any ``Callable[[Sequence[Case], int], list[list[(item_id, score)]]]``
+returning, per case, at most k items best first. Rankers are asked to leave out
+the case's history themselves (so they can use all k slots); the harness then
+drops any history item that slips through and cuts each list to k, so a ranker
+that ignores the rule loses slots rather than gaining hits.
+
+Traditional branches are fitted on everything before the predicted item: on the
+training sequences for validation cases, on training + validation items for test
+cases.
+
+Example::
+
+    >>> from genrec.offline.splits import Case
+    >>> cases = [Case("u1", ["a"], "b"), Case("u2", ["a"], "c")]
+    >>> evaluate_rankings([[("b", 1.0)], [("x", 1.0), ("c", 0.5)]], cases, ks=(1, 2))
+    {'HR@1': 0.5, 'NDCG@1': 0.5, 'HR@2': 1.0, 'NDCG@2': 0.8154648767857288, 'users': 2}
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from genrec.offline.merge import merge_lists
+from genrec.offline.recall import BRANCHES, RecallBranch, fit_branches, semantic_id_embeddings
+from genrec.offline.splits import Case, leave_one_out
+
+log = logging.getLogger(__name__)
+
+Recommendation = tuple[str, float]
+Ranker = Callable[[Sequence[Case], int], list[list[Recommendation]]]
+DEFAULT_KS = (5, 10, 20)
+MERGE_GRID = (0.0, 0.1, 0.25, 0.5, 1.0, 2.0)
+
+
+# --- metrics ------------------------------------------------------------------
+
+
+def evaluate_rankings(
+    rankings: Sequence[Sequence[Recommendation]],
+    cases: Sequence[Case],
+    ks: Sequence[int] = DEFAULT_KS,
+) -> dict[str, float | int]:
+    """Mean HR@k and NDCG@k (one relevant item: 1 / log2(rank + 1), rank from 1)."""
+    if len(rankings) != len(cases):
+        raise ValueError(f"{len(rankings)} rankings for {len(cases)} cases")
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks must be positive cutoffs, got {ks}")
+    hits = dict.fromkeys(ks, 0.0)
+    gains = dict.fromkeys(ks, 0.0)
+    for ranked, case in zip(rankings, cases, strict=True):
+        rank = target_rank(ranked, case, max(ks))
+        for k in ks:
+            if rank is not None and rank <= k:
+                hits[k] += 1.0
+                gains[k] += 1.0 / math.log2(rank + 1)
+    n = max(len(cases), 1)
+    metrics: dict[str, float | int] = {}
+    for k in ks:
+        metrics[f"HR@{k}"] = hits[k] / n
+        metrics[f"NDCG@{k}"] = gains[k] / n
+    metrics["users"] = len(cases)
+    return metrics
+
+
+def target_rank(ranked: Sequence[Recommendation], case: Case, depth: int) -> int | None:
+    """1-based rank of ``case.target`` after dropping history items and repeats, or None."""
+    seen = set(case.history)
+    rank = 0
+    for item_id, _score in ranked:
+        if item_id in seen:
+            continue
+        seen.add(item_id)
+        rank += 1
+        if rank > depth:
+            return None
+        if item_id == case.target:
+            return rank
+    return None
+
+
+def evaluate_ranker(
+    ranker: Ranker, cases: Sequence[Case], ks: Sequence[int] = DEFAULT_KS
+) -> tuple[dict[str, float | int], list[list[Recommendation]]]:
+    """Metrics of ``ranker`` on ``cases`` (asked for max(ks) items) and its rankings."""
+    rankings = ranker(cases, max(ks))
+    return evaluate_rankings(rankings, cases, ks), rankings
+
+
+# --- the protocol's data ---------------------------------------------------------------
+
+
+class ProtocolData:
+    """Split, catalog and timestamps of one store, loaded once for every ranker."""
+
+    def __init__(self, engine) -> None:
+        from genrec.offline.history import load_item_ids, load_user_histories
+
+        histories = load_user_histories(engine)
+        self.item_ids = load_item_ids(engine)
+        self.sequences = {u: [e.item_id for e in events] for u, events in histories.items()}
+        self.timestamps = {u: [e.ts_ms for e in events] for u, events in histories.items()}
+        self.split = leave_one_out(self.sequences)
+        if not self.split.test:
+            raise ValueError("no user has the 3 events the protocol needs (train, valid, test)")
+
+    def fit_data(self, stage: str) -> tuple[dict[str, list[str]], dict[str, list[int]]]:
+        """Sequences and timestamps a branch may see when predicting ``stage`` ('valid'/'test')."""
+        cases = {"valid": self.split.valid, "test": self.split.test}[stage]
+        sequences = {}
+        for user, sequence in self.sequences.items():
+            sequences[user] = cases[user].history if user in cases else sequence
+        stamps = {u: self.timestamps[u][: len(s)] for u, s in sequences.items()}
+        return sequences, stamps
+
+    def cases(self, stage: str, max_users: int | None = None) -> list[Case]:
+        cases = list({"valid": self.split.valid, "test": self.split.test}[stage].values())
+        return cases[:max_users] if max_users else cases
+
+
+def branch_ranker(branch: RecallBranch, timestamps: Mapping[str, Sequence[int]]) -> Ranker:
+    """A ranker over a fitted branch; timestamps of each case's history come from ``timestamps``."""
+
+    def rank(cases: Sequence[Case], k: int) -> list[list[Recommendation]]:
+        histories = [case.history for case in cases]
+        excludes = [set(case.history) for case in cases]
+        stamps = [
+            list(timestamps[c.user_id][: len(c.history)]) if c.user_id in timestamps else None
+            for c in cases
+        ]
+        return branch.recommend_batch(histories, k, excludes, stamps)
+
+    return rank
+
+
+def fitted_branches(
+    data: ProtocolData, stage: str, settings, engine=None
+) -> dict[str, RecallBranch]:
+    sequences, stamps = data.fit_data(stage)
+    embeddings = None
+    if settings.recall.ann_embeddings == "semantic_ids":
+        embeddings = semantic_id_embeddings(settings, engine, data.item_ids)
+    return fit_branches(sequences, data.item_ids, settings.recall, stamps, embeddings)
+
+
+# --- merge ------------------------------------------------------------------------
+
+
+def merge_rankings(
+    lists: Mapping[str, Sequence[Sequence[Recommendation]]], k: int, recall, weights=None
+) -> list[list[Recommendation]]:
+    """Per case, ``merge_lists`` of every named list with the ``recall`` merge settings."""
+    names = list(lists)
+    n_cases = len(next(iter(lists.values()))) if lists else 0
+    return [
+        merge_lists(
+            {name: lists[name][i] for name in names},
+            k,
+            method=recall.merge_method,
+            weights=weights if weights is not None else recall.merge_weights,
+            quotas=recall.merge_quotas,
+            rrf_k=recall.merge_rrf_k,
+        )
+        for i in range(n_cases)
+    ]
+
+
+def tune_merge_weights(
+    lists: Mapping[str, Sequence[Sequence[Recommendation]]],
+    cases: Sequence[Case],
+    k: int,
+    recall,
+    metric: str = "NDCG@10",
+) -> tuple[dict[str, float], float]:
+    """Grid search of RRF weights on (validation) ``cases``; the best single list keeps weight 1."""
+    ks = tuple(sorted({k, int(metric.split("@")[1])}))
+    single = {name: evaluate_rankings(rows, cases, ks)[metric] for name, rows in lists.items()}
+    anchor = max(single, key=single.get)
+    others = [name for name in lists if name != anchor]
+    best_weights, best_value = {anchor: 1.0, **dict.fromkeys(others, 0.0)}, single[anchor]
+    for combo in itertools.product(MERGE_GRID, repeat=len(others)):
+        weights = {anchor: 1.0, **dict(zip(others, combo, strict=True))}
+        merged = merge_rankings(
+            lists, k, recall.model_copy(update={"merge_method": "rrf"}), weights
+        )
+        value = evaluate_rankings(merged, cases, ks)[metric]
+        if value > best_value + 1e-12:
+            best_weights, best_value = weights, value
+    return best_weights, best_value
+
+
+# --- the whole protocol -------------------------------------------------------------
+
+
+def run_protocol(
+    settings,
+    engine,
+    *,
+    generative: bool = True,
+    tune_merge: bool = False,
+    max_users: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate every ranker on the test cases; the JSON ``genrec eval`` writes."""
+    recall = settings.recall
+    ks = tuple(sorted(recall.eval_ks))
+    k = max(ks)
+    data = ProtocolData(engine)
+    test_cases = data.cases("test", max_users)
+    notes: list[str] = []
+    report: dict[str, Any] = {"protocol": protocol_description(data, ks, len(test_cases), recall)}
+
+    _, test_stamps = data.fit_data("test")
+    branches = fitted_branches(data, "test", settings, engine)
+    depth = max(k, recall.merge_depth)
+    lists: dict[str, list[list[Recommendation]]] = {}
+    results: dict[str, Any] = {}
+    for name in BRANCHES:
+        lists[name] = branch_ranker(branches[name], test_stamps)(test_cases, depth)
+        results[name] = evaluate_rankings(lists[name], test_cases, ks)
+        log.info("%s: HR@10 %.4f", name, results[name].get("HR@10", float("nan")))
+
+    models = _active_models(settings, engine, notes) if generative else None
+    if not generative:
+        notes.append("generative rankers skipped (--no-generative)")
+    drafts: dict[str, Any] = {}
+    agreement: dict[str, Any] = {}
+    if models is not None:
+        from genrec.offline.generative import draft_agreement, recommend_generative
+
+        batch = recall.eval_batch_size
+        lists["generative"] = recommend_generative(
+            models, test_cases, k, which="target", batch_size=batch, progress=progress
+        )
+        results["generative"] = evaluate_rankings(lists["generative"], test_cases, ks)
+        for variant in models.drafts:
+            rows = recommend_generative(
+                models, test_cases, k, which=variant, batch_size=batch, progress=progress
+            )
+            drafts[variant] = evaluate_rankings(rows, test_cases, ks)
+        agreement = draft_agreement(models, test_cases, k, batch_size=batch)
+
+    weights = dict(recall.merge_weights)
+    if tune_merge:
+        weights, value = _tuned_weights(data, settings, engine, models, max_users, progress)
+        notes.append(f"merge weights tuned on validation: {weights} (NDCG@10 {value:.4f})")
+    merge_order = ["generative", *BRANCHES] if "generative" in lists else list(BRANCHES)
+    if "generative" not in lists:
+        notes.append("merged = merge(popularity, itemcf, ann): no generative list")
+    merged = merge_rankings({n: lists[n] for n in merge_order}, k, recall, weights)
+    results["merged"] = evaluate_rankings(merged, test_cases, ks)
+    report["protocol"]["merge"] = {
+        "method": recall.merge_method,
+        "lists": merge_order,
+        "weights": weights,
+        "quotas": recall.merge_quotas,
+        "rrf_k": recall.merge_rrf_k,
+        "depth": depth,
+    }
+    report.update(results=results, drafts=drafts, agreement=agreement, notes=notes)
+    return report
+
+
+def protocol_description(
+    data: ProtocolData, ks: Sequence[int], n_cases: int, recall
+) -> dict[str, Any]:
+    return {
+        "split": "leave-one-out by time: last item = test, the one before = validation",
+        "order": "events sorted by timestamp, ties kept in source order (stable sort)",
+        "candidates": "full catalog",
+        "catalog_items": len(data.item_ids),
+        "exclude_history": True,
+        "ks": list(ks),
+        "users": n_cases,
+        "fit": "branches fitted on train + validation items for test cases, on train for validation",
+        "popularity_half_life_days": recall.popularity_half_life_days,
+        "ann_embeddings": recall.ann_embeddings,
+    }
+
+
+def _active_models(settings, engine, notes: list[str]):
+    """The active generative models, or None with a note saying why they are skipped."""
+    try:
+        from genrec.offline.generative import load_active_models
+    except ImportError as exc:
+        notes.append(f"generative rankers skipped: {exc}")
+        return None
+    from genrec.infra.cli import UserFacingError
+
+    try:
+        models = load_active_models(settings, engine)
+    except (ImportError, FileNotFoundError, LookupError, UserFacingError) as exc:
+        notes.append(f"generative rankers skipped: no active models ({exc})")
+        return None
+    if models is None:
+        notes.append("generative rankers skipped: no active models")
+    return models
+
+
+def _tuned_weights(
+    data, settings, engine, models, max_users, progress
+) -> tuple[dict[str, float], float]:
+    """RRF weights tuned on the validation cases with branches fitted on train only."""
+    recall = settings.recall
+    k = max(recall.eval_ks)
+    cases = data.cases("valid", max_users)
+    _, stamps = data.fit_data("valid")
+    branches = fitted_branches(data, "valid", settings, engine)
+    depth = max(k, recall.merge_depth)
+    lists = {name: branch_ranker(branches[name], stamps)(cases, depth) for name in BRANCHES}
+    if models is not None:
+        from genrec.offline.generative import recommend_generative
+
+        lists = {
+            "generative": recommend_generative(
+                models, cases, k, batch_size=recall.eval_batch_size, progress=progress
+            ),
+            **lists,
+        }
+    return tune_merge_weights(lists, cases, k, recall)
+
+
+def format_table(report: Mapping[str, Any]) -> str:
+    """One plain-text table: a row per ranker (results, then drafts), HR and NDCG columns."""
+    ks = report["protocol"]["ks"]
+    columns = [f"HR@{k}" for k in ks] + [f"NDCG@{k}" for k in ks]
+    rows = [(name, m) for name, m in report["results"].items()]
+    rows += [(f"draft:{name}", m) for name, m in report.get("drafts", {}).items()]
+    width = max([len("ranker")] + [len(name) for name, _ in rows])
+    lines = ["  ".join([f"{'ranker':<{width}}", *(f"{c:>8}" for c in columns), f"{'users':>6}"])]
+    for name, metrics in rows:
+        cells = [f"{metrics[c]:>8.4f}" for c in columns]
+        lines.append("  ".join([f"{name:<{width}}", *cells, f"{metrics['users']:>6}"]))
+    for variant, stats in report.get("agreement", {}).items():
+        steps = ", ".join(f"{a:.3f}" for a in stats.get("strict_acceptance_per_step", []))
+        lines.append(
+            f"agreement {variant}: top-K overlap {stats.get('topk_overlap', 0):.3f}; strict acceptance per step [{steps}]"
+        )
+    lines += [f"note: {note}" for note in report.get("notes", [])]
+    return "\n".join(lines)
+
+
+def plot_report(report: Mapping[str, Any], path) -> None:
+    """Bar chart of HR@10 and NDCG@10 (or the largest k) per ranker, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = report["protocol"]["ks"]
+    k = 10 if 10 in ks else max(ks)
+    rows = {**report["results"], **{f"draft:{n}": m for n, m in report.get("drafts", {}).items()}}
+    names = list(rows)
+    x = range(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
+    ax.bar([i - 0.2 for i in x], [rows[n][f"HR@{k}"] for n in names], 0.4, label=f"HR@{k}")
+    ax.bar([i + 0.2 for i in x], [rows[n][f"NDCG@{k}"] for n in names], 0.4, label=f"NDCG@{k}")
+    ax.set_xticks(list(x), names, rotation=20)
+    ax.set_title(f"leave-one-out, full catalog, {report['protocol']['users']} users")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
