@@ -24,7 +24,12 @@ COMMAND_MODULES = (
     "genrec.infra.commands",
     "genrec.ingest.cli",
     "genrec.offline.cli",
+    "genrec.offline.semantic_ids_cli",
+    "genrec.offline.train_cli",
+    "genrec.offline.refresh_cli",
+    "genrec.offline.eval_cli",
     "genrec.online.cli",
+    "genrec.online.decode_cli",
 )
 
 Handler = Callable[[argparse.Namespace], int | None]

@@ -93,6 +93,7 @@ class IngestSettings(BaseModel):
     fetch_max_bytes: int = 64 * 1024 * 1024
     max_partition_fetch_bytes: int = 8 * 1024 * 1024
     max_poll_interval_ms: int = 300_000
+    session_timeout_ms: int = 10_000  # how soon a crashed consumer's partitions move on
     dlq_timeout_s: float = 30.0  # per attempt to get the dead letters of a batch acked
     progress_every_s: float = 5.0
 
@@ -141,6 +142,20 @@ class DecodeSettings(BaseModel):
     seed: int = 0  # relaxed sampling
 
 
+class ModelSettings(BaseModel):
+    """The generative target and draft models: ``genrec offline train`` (offline/train_*.py)."""
+
+    preset: Literal["tiny", "small", "smollm2-135m"] = "small"
+    history_items: int = Field(default=50, ge=1)  # H: items of history in a prompt
+    beam_width: int = Field(default=20, ge=1)  # evaluation beams (>= k; room for seen items)
+    align_weight: float = Field(default=0.7, ge=0.0, le=1.0)  # a in (1-a)*CE + a*align
+    teacher_prompts: int | None = Field(default=None, ge=1)  # default: the preset's
+    teacher_beams: int | None = Field(default=None, ge=1)  # K_t; default: the preset's
+    agreement_users: int = Field(default=300, ge=1)  # validation cases for draft agreement
+    seed: int = 0
+    torch_threads: int = 2
+
+
 class KafkaBrokerSettings(BaseModel):
     """The local single-node broker of ``genrec kafka up`` (never used against a real cluster).
 
@@ -168,7 +183,7 @@ class SemanticIdSettings(BaseModel):
     dedup_codes: int = 32  # size of the last (dedup) level; fixed so refreshes keep the layout
     latent_dim: int = 32
     hidden_dims: tuple[int, ...] = (256, 128)
-    epochs: int = 300
+    epochs: int = 150  # ML-100K: the loss is flat after ~100 epochs
     batch_size: int = 256
     learning_rate: float = 1e-3
     commitment_weight: float = 0.25
@@ -176,7 +191,7 @@ class SemanticIdSettings(BaseModel):
     seed: int = 0
     index_exact_max_items: int = 50_000  # above: IVF (GPU FAISS when present)
     index_nprobe: int = 16
-    torch_threads: int = 2
+    torch_threads: int = 1  # the RQ-VAE is tiny: more CPU threads only add sync cost
 
 
 class RefreshSettings(BaseModel):
@@ -192,7 +207,7 @@ class RefreshSettings(BaseModel):
     full_semantic_ids: bool = False  # full RQ-VAE rebuild instead of incremental (needs retrain)
     retrain_target: bool = False  # retrain the target; the drafts are then always re-aligned
     realign_drafts: bool = False  # re-align the drafts to the current target
-    train_preset: str = "small"
+    train_preset: str | None = None  # default: model.preset
     precompute_kv: bool = True
     # Prefix KV store.
     kv_backend: Literal["local"] = "local"
@@ -229,10 +244,10 @@ class RecallSettings(BaseModel):
     ann_half_life_days: float | None = Field(default=30.0, gt=0)
     merge_method: Literal["rrf", "quota"] = "rrf"
     merge_weights: dict[str, float] = Field(
-        default_factory=lambda: {"generative": 1.0, "itemcf": 1.0, "ann": 0.5, "popularity": 0.1}
+        default_factory=lambda: {"generative": 1.0, "itemcf": 1.0, "ann": 0.25, "popularity": 0.1}
     )
     merge_quotas: dict[str, int] = Field(default_factory=dict)  # empty: even shares of k
-    merge_rrf_k: float = Field(default=60.0, ge=0)
+    merge_rrf_k: float = Field(default=20.0, ge=0)
     merge_depth: int = Field(default=50, ge=1)  # items asked of each traditional branch
     eval_ks: tuple[int, ...] = (5, 10, 20)
     eval_batch_size: int = Field(default=64, ge=1)  # cases per generative decoding batch
@@ -264,6 +279,7 @@ class Settings(BaseSettings):
     online: OnlineSettings = Field(default_factory=OnlineSettings)
     recall: RecallSettings = Field(default_factory=RecallSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
+    model: ModelSettings = Field(default_factory=ModelSettings)
 
     @model_validator(mode="after")
     def _fill_paths(self) -> Settings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -20,6 +21,7 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    UniqueConstraint,
     func,
 )
 
@@ -68,3 +70,122 @@ events = Table(
 )
 Index("ix_events_user_ts", events.c.user_id, events.c.ts_ms, events.c.id)
 Index("ix_events_item", events.c.item_id)
+
+# --- semantic ids -----------------------------------------------------------
+
+# One row per build. Readers only use the single row with active = true, which is
+# flipped in one transaction after the build's item rows and artifacts are complete.
+semantic_id_versions = Table(
+    "semantic_id_versions",
+    metadata,
+    Column("version", BigId, primary_key=True, autoincrement=True),
+    Column("status", String(16), nullable=False),  # building | complete | failed
+    Column("active", Boolean, nullable=False, default=False),
+    Column("kind", String(16), nullable=False),  # full | refresh
+    Column("parent_version", BigInteger, nullable=True),
+    Column("layout", Text, nullable=True),  # TokenLayout.to_json()
+    Column("params", JSON, nullable=True),
+    Column("metrics", JSON, nullable=True),
+    Column("artifact_dir", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    Column("completed_at", DateTime(timezone=True), nullable=True),
+)
+
+semantic_id_items = Table(
+    "semantic_id_items",
+    metadata,
+    Column("version", BigInteger, primary_key=True),
+    Column("item_id", String(128), primary_key=True),
+    Column("row", Integer, nullable=False),  # position in the version's item order
+    Column("semantic_id", String(64), nullable=False),  # codes joined by '-', e.g. '3-0-17-0'
+    UniqueConstraint("version", "semantic_id", name="uq_semantic_id_items_version_id"),
+)
+
+# --- models -----------------------------------------------------------------
+
+# One row per trained target + drafts. Exactly one row has status "active"; the
+# artifacts are complete on disk before the row is flipped, in one transaction.
+model_versions = Table(
+    "model_versions",
+    metadata,
+    Column("version", BigId, primary_key=True, autoincrement=True),
+    Column("preset", String(32), nullable=False),
+    Column("semantic_id_version", String(64), nullable=True),
+    Column("status", String(16), nullable=False),  # building | active | failed | retired
+    Column("params", JSON, nullable=True),
+    Column("metrics", JSON, nullable=True),
+    Column("artifact_dir", Text, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    Column("activated_at", DateTime(timezone=True), nullable=True),
+)
+
+# --- refresh ----------------------------------------------------------------
+
+# One row per offline refresh run (``genrec offline refresh`` or the scheduler).
+job_runs = Table(
+    "job_runs",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("job", String(64), nullable=False),  # "refresh"
+    Column("status", String(16), nullable=False),  # running | succeeded | failed | abandoned
+    Column("trigger", String(32), nullable=True),  # cli | schedule | test
+    Column("owner", String(255), nullable=True),  # host:pid:nonce, as in job_locks
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    Column("serving_version", BigInteger, nullable=True),
+    Column("event_cutoff_row", BigInteger, nullable=True),
+    Column("counts", JSON, nullable=True),  # events, items, users, kv bytes, step seconds ...
+    Column("error", Text, nullable=True),
+)
+
+# What the online workers serve: one row per refresh that got as far as building.
+# Exactly one row has active = true; activation flips it in one transaction.
+serving_versions = Table(
+    "serving_versions",
+    metadata,
+    Column("version", BigId, primary_key=True, autoincrement=True),  # also the KV version
+    Column("status", String(16), nullable=False),  # building | active | retired | failed
+    Column("active", Boolean, nullable=False, default=False),
+    Column("semantic_id_version", BigInteger, nullable=True),
+    Column("model_version", String(64), nullable=True),
+    Column("kv_version", BigInteger, nullable=True),
+    Column("event_cutoff_row", BigInteger, nullable=True),  # every events.id <= this was read
+    Column("job_run_id", BigInteger, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("activated_at", DateTime(timezone=True), nullable=True),
+)
+Index(
+    "uq_serving_versions_one_active",
+    serving_versions.c.active,
+    unique=True,
+    sqlite_where=serving_versions.c.active,
+    postgresql_where=serving_versions.c.active,
+)
+
+# Where each user's precomputed long-history prefix KV cache lives, per KV version.
+prefix_kv_index = Table(
+    "prefix_kv_index",
+    metadata,
+    Column("kv_version", BigInteger, primary_key=True),
+    Column("user_id", String(128), primary_key=True),
+    Column("model_version", String(64), nullable=False),
+    Column("cutoff_event_row", BigInteger, nullable=False),  # events.id of the last event included
+    Column("cutoff_ts_ms", BigInteger, nullable=False),
+    Column("cutoff_event_id", String(128), nullable=False),
+    Column("n_tokens", Integer, nullable=False),
+    Column("nbytes", BigInteger, nullable=False),
+    Column("path", Text, nullable=False),  # relative to the backend's root
+    Column("prompt_sha1", String(40), nullable=True),  # lets the next run reuse unchanged entries
+)
+
+# Cross-process mutual exclusion with a lease: a killed holder's lease simply expires.
+job_locks = Table(
+    "job_locks",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("owner", String(255), nullable=True),
+    Column("acquired_ms", BigInteger, nullable=True),
+    Column("expires_ms", BigInteger, nullable=False, default=0),
+)

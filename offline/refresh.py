@@ -1,0 +1,478 @@
+"""One offline refresh run (offline step): new events in, a new serving version out.
+
+A run, under the cross-process lock ``offline-refresh``:
+
+1. reads the behavior store up to a fixed cutoff (``max(events.id)`` at start),
+2. refreshes semantic IDs (incremental by default, ``refresh.full_semantic_ids``
+   for a full rebuild),
+3. retrains the target and/or re-aligns the drafts when configured (a new
+   target always re-aligns the drafts: alignment is tied to one target),
+4. precomputes every active user's long-history prefix KV (batched, on the GPU
+   when present) into the KV store under a new KV version, reusing last
+   version's file where model and prompt are unchanged,
+5. activates the new serving version (semantic-ID, model, KV versions) in one
+   database transaction, then garbage-collects old KV versions.
+
+Failure at any point (exception, SIGTERM, kill -9) leaves the previous version
+serving: the new KV version is only reachable through the serving version,
+which is activated last. An exception discards the half-built KV version at
+once; a killed run's leftovers are marked and collected by the next run. Every
+run is a ``job_runs`` row (start, end, status, counts, error).
+
+Example::
+
+    >>> from genrec.infra.settings import get_settings
+    >>> from genrec.infra.database import make_engine
+    >>> settings = get_settings()
+    >>> report = run_refresh(settings, make_engine(settings.database_url))  # doctest: +SKIP
+    >>> report.serving_version  # doctest: +SKIP
+    3
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, func, insert, select, update
+from tqdm.auto import tqdm
+
+from genrec.infra.kv_store import PrefixKVEntry, open_kv_store
+from genrec.infra.serving_versions import (
+    activate,
+    active_serving_version,
+    create_candidate,
+    mark_failed,
+    recent_activated_versions,
+)
+from genrec.offline.run_lock import RunLock
+from genrec.schemas.tables import events, items, job_runs, serving_versions
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "offline-refresh"
+JOB_NAME = "refresh"
+
+
+class RefreshCancelled(RuntimeError):
+    """The run was asked to stop (SIGTERM) or lost its lock; nothing was activated."""
+
+
+@dataclass(frozen=True)
+class UserEvent:
+    row: int  # events.id
+    item_id: str
+    ts_ms: int
+    event_id: str
+
+
+# --- the real steps (tests swap single ones for fakes or failures) --------------------
+
+
+def refresh_semantic_ids(settings, engine: Engine, full: bool) -> tuple[Any, dict[str, Any]]:
+    """New items get semantic IDs; returns (semantic-ID version, summary)."""
+    from genrec.offline.semantic_ids import build_semantic_ids
+
+    report = build_semantic_ids(settings, engine, full=full)
+    return getattr(report, "version", None), _scalars(report)
+
+
+def train_models(settings, engine: Engine, retrain_target: bool) -> None:
+    """Retrain the target (and so the drafts), or re-align only the drafts to it.
+
+    Both end with a new active model version (``model_versions``), which the
+    next step loads.
+    """
+    from genrec.offline import train_cli
+
+    entry = getattr(train_cli, "train_for_refresh", None)
+    if entry is None:
+        raise RuntimeError(
+            "genrec.offline.train_cli has no train_for_refresh(settings, engine, preset=, "
+            "target=): cannot retrain from the refresh job"
+        )
+    entry(settings, engine, preset=settings.refresh.train_preset, target=retrain_target)
+
+
+def load_models(settings, engine: Engine):
+    """The active model version (``GenerativeModels``), its target on the GPU when present."""
+    import torch
+
+    from genrec.offline.generative import load_active_models
+
+    torch.set_num_threads(settings.refresh.torch_threads)
+    models = load_active_models(settings, engine)
+    if torch.cuda.is_available():
+        models.target.to("cuda")
+    models.target.eval()
+    return models
+
+
+def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> list:
+    from genrec.online.prefix_kv import compute_prefix_kv as compute
+
+    return compute(model, prompts, model_version, batch_size=max(1, len(prompts)))
+
+
+@dataclass
+class RefreshSteps:
+    """The functions one run calls; ``checkpoint(name)`` runs after each step (test hook)."""
+
+    refresh_semantic_ids: Callable[..., tuple[Any, dict[str, Any]]] = refresh_semantic_ids
+    train_models: Callable[..., None] = train_models
+    load_models: Callable[..., Any] = load_models
+    compute_prefix_kv: Callable[..., list] = compute_prefix_kv
+    checkpoint: Callable[[str], None] = lambda _name: None
+
+
+@dataclass
+class RefreshReport:
+    job_run_id: int
+    serving_version: int
+    semantic_id_version: Any
+    model_version: str | None
+    kv_version: int
+    event_cutoff_row: int
+    counts: dict[str, Any] = field(default_factory=dict)
+
+
+# --- one run ---------------------------------------------------------------------------
+
+
+def run_refresh(
+    settings,
+    engine: Engine,
+    *,
+    trigger: str = "cli",
+    store=None,
+    steps: RefreshSteps | None = None,
+    lock_wait_s: float = 0.0,
+    cancel: threading.Event | None = None,
+) -> RefreshReport:
+    """Run one refresh now; raises ``LockBusy`` if another run holds the lock.
+
+    On failure the exception propagates after the run is recorded as failed and
+    its half-built KV version is discarded; the previous version keeps serving.
+    """
+    lock = RunLock(engine, LOCK_NAME, lease_s=settings.refresh.lock_lease_s)
+    lock.acquire(wait_s=lock_wait_s)
+    try:
+        run = _Run(settings, engine, store or open_kv_store(settings, engine), steps, lock)
+        return run.execute(trigger, cancel or threading.Event())
+    finally:
+        lock.release()
+
+
+class _Run:
+    def __init__(self, settings, engine: Engine, store, steps: RefreshSteps | None, lock) -> None:
+        self.settings, self.engine, self.store, self.lock = settings, engine, store, lock
+        self.steps = steps or RefreshSteps()
+        self.counts: dict[str, Any] = {"step_seconds": {}}
+        self.cancel = threading.Event()
+        self.activated = False
+
+    def execute(self, trigger: str, cancel: threading.Event) -> RefreshReport:
+        self.cancel = cancel
+        _recover_abandoned(self.engine)
+        previous = active_serving_version(self.engine)
+        cutoff_row = _event_cutoff_row(self.engine)
+        job_run_id = _start_job_run(self.engine, trigger, self.lock.owner, cutoff_row)
+        version = create_candidate(self.engine, job_run_id, cutoff_row)
+        log.info("refresh run %d: building serving version %d (events up to row %d)",
+                 job_run_id, version, cutoff_row)  # fmt: skip
+        try:
+            report = self._build_and_activate(job_run_id, version, cutoff_row, previous)
+        except BaseException as exc:
+            if not self.activated:  # after activation the run has succeeded; just report
+                self._fail(job_run_id, version, exc)
+            raise
+        self._collect_garbage(report)
+        return report
+
+    def _build_and_activate(self, job_run_id, version, cutoff_row, previous) -> RefreshReport:
+        refresh = self.settings.refresh
+        self._step("read", lambda: self._count_inputs(cutoff_row, previous))
+        semantic_id_version = None
+        if refresh.semantic_ids:
+            semantic_id_version, summary = self._step(
+                "semantic_ids",
+                lambda: self.steps.refresh_semantic_ids(
+                    self.settings, self.engine, refresh.full_semantic_ids
+                ),
+            )
+            self.counts["semantic_ids"] = summary
+        if refresh.retrain_target or refresh.realign_drafts or refresh.full_semantic_ids:
+            retrain_target = refresh.retrain_target or refresh.full_semantic_ids
+            self._step(
+                "train",
+                lambda: self.steps.train_models(self.settings, self.engine, retrain_target),
+            )
+            self.counts["trained"] = "target+drafts" if retrain_target else "drafts"
+        models = self._step(
+            "load_models", lambda: self.steps.load_models(self.settings, self.engine)
+        )
+        model_version = None if models.version is None else str(models.version)
+        if semantic_id_version is None:
+            semantic_id_version = getattr(models, "semantic_id_version", None)
+        if refresh.precompute_kv:
+            self._step(
+                "prefix_kv", lambda: self._precompute_kv(models, version, cutoff_row, previous)
+            )
+        self._step("activate", lambda: self._activate(
+            job_run_id, version, semantic_id_version, model_version))  # fmt: skip
+        return RefreshReport(job_run_id, version, semantic_id_version, model_version, version,
+                             cutoff_row, self.counts)  # fmt: skip
+
+    def _step(self, name: str, action: Callable[[], Any]) -> Any:
+        self._check_cancel()
+        log.info("refresh step %s", name)
+        started = time.perf_counter()
+        result = action()
+        self.counts["step_seconds"][name] = round(time.perf_counter() - started, 3)
+        self.steps.checkpoint(name)
+        return result
+
+    def _check_cancel(self) -> None:
+        if self.cancel.is_set():
+            raise RefreshCancelled("refresh cancelled (shutdown requested)")
+        if self.lock.lost.is_set():
+            raise RefreshCancelled("refresh lost its lock lease; another run took over")
+
+    def _count_inputs(self, cutoff_row: int, previous) -> None:
+        since = previous.event_cutoff_row if previous and previous.event_cutoff_row else 0
+        with self.engine.connect() as connection:
+            total = connection.execute(select(func.count()).where(events.c.id <= cutoff_row))
+            new = connection.execute(
+                select(func.count()).where(events.c.id > since, events.c.id <= cutoff_row)
+            )
+            catalog = connection.execute(select(func.count()).select_from(items))
+            self.counts.update(
+                events_total=int(total.scalar_one()),
+                events_new=int(new.scalar_one()),
+                items_total=int(catalog.scalar_one()),
+            )
+
+    def _precompute_kv(self, models, kv_version: int, cutoff_row: int, previous) -> None:
+        histories = _active_histories(self.engine, cutoff_row, self.settings.refresh.active_days)
+        model_version = str(models.version)
+        old = {}
+        if previous and previous.kv_version is not None and hasattr(self.store, "reuse_many"):
+            if self.settings.refresh.reuse_unchanged_kv:
+                old = self.store.entries(previous.kv_version)
+        todo: list[tuple[PrefixKVEntry, list[int]]] = []
+        reuse: list[tuple[PrefixKVEntry, PrefixKVEntry]] = []
+        for user_id, history in histories.items():
+            prompt = models.prompt([e.item_id for e in history])
+            entry = _entry(user_id, kv_version, model_version, history, prompt)
+            before = old.get(user_id)
+            if before and (before.model_version, before.prompt_sha1) == (
+                model_version,
+                entry.prompt_sha1,
+            ):
+                reuse.append((entry, before))
+            else:
+                todo.append((entry, prompt))
+        if reuse:
+            self.store.reuse_many(kv_version, reuse)
+        self._compute_batches(models, kv_version, model_version, todo)
+        self.counts["kv"] = {
+            "users": len(histories),
+            "computed": len(todo),
+            "reused": len(reuse),
+            **self.store.sizes(kv_version),
+        }
+
+    def _compute_batches(self, models, kv_version, model_version, todo) -> None:
+        todo = sorted(todo, key=lambda pair: len(pair[1]))  # similar lengths: less padding
+        batch_size = self.settings.refresh.kv_batch_size
+        batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+        for batch in tqdm(batches, desc="prefix KV", unit="batch", leave=False):
+            self._check_cancel()
+            prompts = [prompt for _entry, prompt in batch]
+            prefix_kvs = self.steps.compute_prefix_kv(models.target, prompts, model_version)
+            self.store.put_many(kv_version, zip([e for e, _p in batch], prefix_kvs, strict=True))
+            self.steps.checkpoint("prefix_kv_batch")
+
+    def _activate(self, job_run_id, version, semantic_id_version, model_version) -> None:
+        """The one transaction that makes the new version visible (and checks we still own it)."""
+        with self.engine.begin() as connection:
+            if not self.lock.still_held(connection):
+                raise RefreshCancelled("refresh lost its lock lease before activation")
+            kv_version = version if self.settings.refresh.precompute_kv else None
+            activate(connection, version, semantic_id_version, model_version, kv_version)
+            connection.execute(
+                update(job_runs)
+                .where(job_runs.c.id == job_run_id)
+                .values(status="succeeded", finished_at=_utcnow(), counts=_jsonable(self.counts))
+            )
+        self.activated = True
+        log.info("refresh: serving version %d is active (model %s, semantic IDs %s)",
+                 version, model_version, semantic_id_version)  # fmt: skip
+
+    def _collect_garbage(self, report: RefreshReport) -> None:
+        """After activation: drop KV versions beyond ``keep_versions``; plot sizes (best effort)."""
+        try:
+            keep = recent_activated_versions(self.engine, self.settings.refresh.keep_versions)
+            report.counts["kv_versions_removed"] = self.store.garbage_collect(keep)
+            if "kv" in report.counts and hasattr(self.store, "user_sizes"):
+                plot = _plot_kv_sizes(self.store, report.kv_version, self.settings)
+                report.counts["kv_size_plot"] = str(plot)
+            with self.engine.begin() as connection:
+                connection.execute(
+                    update(job_runs)
+                    .where(job_runs.c.id == report.job_run_id)
+                    .values(counts=_jsonable(report.counts))
+                )
+        except Exception:
+            log.exception("refresh: garbage collection after activation failed (harmless)")
+
+    def _fail(self, job_run_id: int, version: int, exc: BaseException) -> None:
+        log.error("refresh run %d failed: %s", job_run_id, exc)
+        error = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        try:
+            mark_failed(self.engine, version)
+            if hasattr(self.store, "discard"):
+                self.store.discard(version)
+            with self.engine.begin() as connection:
+                connection.execute(
+                    update(job_runs)
+                    .where(job_runs.c.id == job_run_id)
+                    .values(
+                        status="failed",
+                        finished_at=_utcnow(),
+                        counts=_jsonable(self.counts),
+                        error=error[:4000],
+                    )
+                )
+        except Exception:
+            log.exception("refresh: could not record the failure; the next run will")
+
+
+# --- store reads and records ----------------------------------------------------------
+
+
+def _utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _event_cutoff_row(engine: Engine) -> int:
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.max(events.c.id))).scalar() or 0)
+
+
+def _active_histories(
+    engine: Engine, cutoff_row: int, active_days: float | None
+) -> dict[str, list[UserEvent]]:
+    """Each user's events with ``id <= cutoff_row`` in time order (ties: insertion order)."""
+    query = (
+        select(events.c.user_id, events.c.id, events.c.item_id, events.c.ts_ms, events.c.event_id)
+        .where(events.c.id <= cutoff_row)
+        .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
+    )
+    histories: dict[str, list[UserEvent]] = {}
+    with engine.connect() as connection:
+        for user_id, row, item_id, ts_ms, event_id in connection.execute(query):
+            histories.setdefault(user_id, []).append(UserEvent(row, item_id, ts_ms, event_id))
+    if active_days is not None and histories:
+        newest = max(h[-1].ts_ms for h in histories.values())
+        since = newest - int(active_days * 86_400_000)
+        histories = {u: h for u, h in histories.items() if h[-1].ts_ms >= since}
+    return histories
+
+
+def _entry(
+    user_id: str, kv_version: int, model_version: str, history: Sequence[UserEvent], prompt
+) -> PrefixKVEntry:
+    """The user's index entry; the cutoff is the newest *stored* event read (largest row)."""
+    cutoff = max(history, key=lambda e: e.row)
+    digest = hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()
+    return PrefixKVEntry(
+        user_id=user_id,
+        kv_version=kv_version,
+        model_version=model_version,
+        cutoff_event_row=cutoff.row,
+        cutoff_ts_ms=cutoff.ts_ms,
+        cutoff_event_id=cutoff.event_id,
+        n_tokens=len(prompt),
+        prompt_sha1=digest,
+    )
+
+
+def _start_job_run(engine: Engine, trigger: str, owner: str, cutoff_row: int) -> int:
+    statement = insert(job_runs).values(
+        job=JOB_NAME,
+        status="running",
+        trigger=trigger,
+        owner=owner,
+        started_at=_utcnow(),
+        event_cutoff_row=cutoff_row,
+    )
+    with engine.begin() as connection:
+        return int(connection.execute(statement).inserted_primary_key[0])
+
+
+def _recover_abandoned(engine: Engine) -> None:
+    """Runs left 'running' by a killed process (we hold the lock, so none is alive)."""
+    with engine.begin() as connection:
+        stale = connection.execute(
+            update(job_runs)
+            .where(job_runs.c.job == JOB_NAME, job_runs.c.status == "running")
+            .values(status="abandoned", finished_at=_utcnow(), error="process died mid-run")
+        ).rowcount
+        connection.execute(
+            update(serving_versions)
+            .where(serving_versions.c.status == "building")
+            .values(status="failed")
+        )
+    if stale:
+        log.warning("refresh: %d earlier run(s) died mid-run; their leftovers are collected", stale)
+
+
+def _plot_kv_sizes(store, kv_version: int, settings) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(store.user_sizes(kv_version).values())
+    path = settings.path("reports", f"prefix_kv_sizes_v{kv_version}.png")
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    axis.hist([s / 1024 for s in sizes], bins=40)
+    axis.set_xlabel("prefix KV per user (KiB)")
+    axis.set_ylabel("users")
+    axis.set_title(f"KV version {kv_version}: {len(sizes)} users, {sum(sizes) / 2**20:.1f} MiB")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _scalars(report: Any) -> dict[str, Any]:
+    """The JSON-friendly scalar fields of a step's report object."""
+    fields = getattr(report, "__dict__", {}) if report is not None else {}
+    return {k: v for k, v in fields.items() if isinstance(v, str | int | float | bool)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)
+
+
+def last_runs(engine: Engine, limit: int = 10) -> list[dict[str, Any]]:
+    """The most recent refresh runs, newest first (for ``genrec offline refresh --status``)."""
+    query = select(job_runs).order_by(job_runs.c.id.desc()).limit(limit)
+    with engine.connect() as connection:
+        return [dict(row) for row in connection.execute(query).mappings()]
