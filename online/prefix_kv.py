@@ -1,0 +1,173 @@
+"""Per-user prefix KV caches: computed offline, loaded online, extended by the real-time suffix.
+
+A ``PrefixKV`` is one user's prompt (BOS + history item tokens) run through the
+model once. It keeps the keys/values of every prompt token but the LAST one:
+decoding needs the hidden state of the last prompt token, which a cache does not
+hold, so the last token is fed again together with the suffix (the tokens of
+events newer than the cache). Per layer, keys and values are
+``[num_kv_heads, len(prompt_ids) - 1, head_dim]`` (RoPE already applied, at
+positions 0 .. n-2).
+
+On disk (one safetensors file per user): tensors ``prompt_ids``,
+``keys.{layer}``, ``values.{layer}``; string metadata ``format``,
+``model_version``, ``length`` (cached tokens), ``num_layers``. A file written
+under another ``model_version`` is refused on load.
+
+Example::
+
+    prefix = compute_prefix_kv(target, [[1, 7, 260]], model_version="v3")[0]
+    save_prefix_kv("u42.safetensors", prefix)
+    batch = PrefixBatch([load_prefix_kv("u42.safetensors", "v3")], suffixes=[[9, 270]])
+    result = beam_search(target, batch, trie, layout, k=10)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT = "genrec-prefix-kv/1"
+
+
+class ModelVersionMismatch(ValueError):
+    """A prefix cache was computed by another model version than the one serving."""
+
+
+@dataclass
+class PrefixKV:
+    """One user's cached prompt: keys/values of ``prompt_ids[:-1]`` for every layer."""
+
+    prompt_ids: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    model_version: str
+
+    @property
+    def length(self) -> int:
+        """Number of cached tokens (``len(prompt_ids) - 1``)."""
+        return len(self.prompt_ids) - 1
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> PrefixKV:
+        move = lambda t: t.to(device=device, dtype=dtype or t.dtype)  # noqa: E731
+        keys = [move(k) for k in self.keys]
+        return PrefixKV(self.prompt_ids, keys, [move(v) for v in self.values], self.model_version)
+
+
+@dataclass
+class PrefixBatch:
+    """Users to decode from cached prefixes; ``suffixes[i]`` are user i's tokens newer than its cache."""
+
+    prefixes: list[PrefixKV]
+    suffixes: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prefixes:
+            raise ValueError("a PrefixBatch needs at least one prefix")
+        if not self.suffixes:
+            self.suffixes = [[] for _ in self.prefixes]
+        if len(self.suffixes) != len(self.prefixes):
+            raise ValueError("one suffix per prefix")
+        versions = {p.model_version for p in self.prefixes}
+        if len(versions) > 1:
+            raise ModelVersionMismatch(
+                f"prefix caches of several model versions in one batch: {versions}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+
+@torch.no_grad()
+def compute_prefix_kv(
+    model, prompts: list[list[int]], model_version: str, batch_size: int = 16
+) -> list[PrefixKV]:
+    """Prefill ``prompts`` (left-padded, in batches) and keep each user's cache of ``prompt[:-1]``."""
+    if any(len(p) < 1 for p in prompts):
+        raise ValueError("every prompt needs at least one token (BOS)")
+    device = next(model.parameters()).device
+    base = model.get_decoder()
+    out: list[PrefixKV] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [p[:-1] for p in prompts[start : start + batch_size]]
+        width = max(len(p) for p in chunk)
+        if width == 0:
+            empty = _empty_kv(model)
+            out += [
+                PrefixKV(list(p), *empty, model_version)
+                for p in prompts[start : start + batch_size]
+            ]
+            continue
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, tokens in enumerate(chunk):
+            if tokens:
+                ids[row, width - len(tokens) :] = torch.tensor(tokens)
+                mask[row, width - len(tokens) :] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        output = base(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+        )
+        layers = output.cache.layers
+        for row, prompt in enumerate(prompts[start : start + batch_size]):
+            n = len(prompt) - 1
+            keys = [layer.keys[row, :, width - n :].clone() for layer in layers]
+            values = [layer.values[row, :, width - n :].clone() for layer in layers]
+            out.append(PrefixKV(list(prompt), keys, values, model_version))
+    return out
+
+
+def _empty_kv(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    param = next(model.parameters())
+    empty = lambda: torch.zeros(heads, 0, head_dim, dtype=param.dtype, device=param.device)  # noqa: E731
+    n = config.num_hidden_layers
+    return [empty() for _ in range(n)], [empty() for _ in range(n)]
+
+
+def save_prefix_kv(path: str | Path, prefix_kv: PrefixKV) -> None:
+    """Write one user's prefix cache as a safetensors file."""
+    tensors = {"prompt_ids": torch.tensor(prefix_kv.prompt_ids, dtype=torch.long)}
+    for layer, (k, v) in enumerate(zip(prefix_kv.keys, prefix_kv.values, strict=True)):
+        tensors[f"keys.{layer}"] = k.detach().contiguous().cpu()
+        tensors[f"values.{layer}"] = v.detach().contiguous().cpu()
+    metadata = {
+        "format": FORMAT,
+        "model_version": prefix_kv.model_version,
+        "length": str(prefix_kv.length),
+        "num_layers": str(len(prefix_kv.keys)),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_prefix_kv(
+    path: str | Path, expected_model_version: str, device: torch.device | str = "cpu"
+) -> PrefixKV:
+    """Read a prefix cache; raises ``ModelVersionMismatch`` if another model version wrote it."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a genrec prefix KV file (format {metadata.get('format')!r})")
+    version = metadata.get("model_version")
+    if version != expected_model_version:
+        raise ModelVersionMismatch(
+            f"{path}: prefix KV computed by model version {version!r}, "
+            f"but model version {expected_model_version!r} is serving; recompute it"
+        )
+    tensors = load_file(str(path), device=str(device))
+    n_layers = int(metadata["num_layers"])
+    prompt_ids = tensors["prompt_ids"].tolist()
+    keys = [tensors[f"keys.{layer}"] for layer in range(n_layers)]
+    values = [tensors[f"values.{layer}"] for layer in range(n_layers)]
+    if any(k.shape[1] != len(prompt_ids) - 1 for k in keys):
+        raise ValueError(f"{path}: cached length does not match its prompt")
+    return PrefixKV(prompt_ids, keys, values, version)

@@ -1,0 +1,123 @@
+"""Speculative beam search: strict is lossless (== target-only == generate), relaxed is valid and seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genrec.online.beam_search import beam_search
+from genrec.online.decoding_bench import TEST_PRESETS, BenchModels, hf_generate_items, load_models
+from genrec.online.speculative import AcceptanceMonitor, speculative_beam_search
+
+BEAM_WIDTHS = [1, 3, 5, 10, 20]
+
+
+@pytest.fixture(scope="module", params=TEST_PRESETS)
+def case(request) -> BenchModels:
+    torch.set_num_threads(2)
+    return load_models(request.param)
+
+
+@pytest.mark.parametrize("k", BEAM_WIDTHS)
+def test_strict_equals_target_only_and_generate(case: BenchModels, k: int):
+    prompts = [u.prompt for u in case.eval_users[:4]]
+    reference = beam_search(case.target, prompts, case.trie, case.layout, k)
+    assert torch.equal(
+        reference.tokens, hf_generate_items(case.target, prompts, case.trie, k).tokens
+    )
+    for draft in (case.draft, case.target):
+        batched = speculative_beam_search(case.target, draft, prompts, case.trie, case.layout, k)
+        assert torch.equal(batched.tokens, reference.tokens)
+        torch.testing.assert_close(batched.scores, reference.scores)
+        for row, prompt in enumerate(prompts):
+            alone = speculative_beam_search(case.target, draft, [prompt], case.trie, case.layout, k)
+            assert torch.equal(alone.tokens[0], reference.tokens[row])
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_strict_full_vocabulary_scores_are_lossless_too(case: BenchModels, k: int):
+    prompts = [u.prompt for u in case.eval_users[:4]]
+    reference = beam_search(case.target, prompts, case.trie, case.layout, k, score_mode="full")
+    result = speculative_beam_search(
+        case.target, case.draft, prompts, case.trie, case.layout, k, score_mode="full"
+    )
+    assert torch.equal(result.tokens, reference.tokens)
+
+
+def test_acceptance_is_partial_for_another_draft_and_full_for_the_target_itself(case: BenchModels):
+    prompts = [u.prompt for u in case.eval_users]
+    other = speculative_beam_search(case.target, case.draft, prompts, case.trie, case.layout, 10)
+    itself = speculative_beam_search(case.target, case.target, prompts, case.trie, case.layout, 10)
+    for stats in itself.stats:
+        assert stats.accepted_steps == stats.drafted_steps == case.layout.depth - 1
+        assert stats.target_calls == 1 and stats.draft_calls == case.layout.depth - 1
+    accepted = sum(s.accepted_steps for s in other.stats)
+    drafted = sum(s.drafted_steps for s in other.stats)
+    assert 0 < accepted < drafted
+    for stats in other.stats:
+        assert 1 <= stats.target_calls <= case.layout.depth
+        assert stats.rounds == stats.target_calls
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_relaxed_gives_valid_distinct_items_and_is_seeded(case: BenchModels, k: int):
+    prompts = [u.prompt for u in case.eval_users]
+
+    def run(seed: int):
+        generator = torch.Generator().manual_seed(seed)
+        return speculative_beam_search(
+            case.target, case.draft, prompts, case.trie, case.layout, k, mode="relaxed",
+            generator=generator,
+        )  # fmt: skip
+
+    first, again = run(7), run(7)
+    assert torch.equal(first.tokens, again.tokens)
+    assert (first.item_index >= 0).all()
+    for row in first.item_index:
+        assert len(set(row.tolist())) == k
+    assert (first.scores[:, :-1] >= first.scores[:, 1:]).all()
+    # with the target as its own draft every drafted step is accepted
+    itself = speculative_beam_search(
+        case.target, case.target, prompts, case.trie, case.layout, k, mode="relaxed"
+    )
+    assert all(s.target_calls == 1 for s in itself.stats)
+
+
+def test_monitor_falls_back_to_target_only_and_probes():
+    monitor = AcceptanceMonitor(window=8, threshold=0.5, probe_every=4)
+    from genrec.online.beam_search import DecodeStats
+
+    assert monitor.use_speculative()
+    for _ in range(8):
+        monitor.record(DecodeStats(drafted_steps=3, accepted_steps=0, speculative=True))
+    decisions = [monitor.use_speculative() for _ in range(8)]
+    assert decisions.count(True) == 2  # probes only
+    for _ in range(8):
+        monitor.record(DecodeStats(drafted_steps=3, accepted_steps=3, speculative=True))
+    assert monitor.use_speculative()
+
+
+def test_fallback_result_is_target_only(case: BenchModels):
+    monitor = AcceptanceMonitor(window=4, threshold=1.1, probe_every=1000)
+    prompts = [u.prompt for u in case.eval_users[:2]]
+    for _ in range(4):
+        speculative_beam_search(
+            case.target, case.draft, prompts, case.trie, case.layout, 5, monitor=monitor
+        )
+    result = speculative_beam_search(
+        case.target, case.draft, prompts, case.trie, case.layout, 5, monitor=monitor
+    )
+    assert not any(s.speculative for s in result.stats)
+    assert all(s.draft_calls == 0 for s in result.stats)
+
+
+def test_bad_arguments_are_refused(case: BenchModels):
+    prompt = [case.eval_users[0].prompt]
+    with pytest.raises(ValueError):
+        speculative_beam_search(
+            case.target, case.draft, prompt, case.trie, case.layout, 10, n_draft=5
+        )
+    with pytest.raises(ValueError):
+        speculative_beam_search(
+            case.target, case.draft, prompt, case.trie, case.layout, 3, mode="x"
+        )

@@ -1,0 +1,66 @@
+"""ItemTrie: exactly the valid continuations, item lookup, single-child detection."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from genrec.online.decoding_bench import random_catalog
+from genrec.online.trie import ItemTrie
+from genrec.schemas.token_layout import TokenLayout
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    layout, items = random_catalog((5, 4, 3, 2), n_items=40, seed=3)
+    return layout, items, ItemTrie(items, layout)
+
+
+def test_allowed_mask_is_exact_for_every_prefix(catalog):
+    layout, items, trie = catalog
+    catalog_rows = [tuple(r) for r in items.tolist()]
+    for d in range(layout.depth):
+        prefixes = list(itertools.product(*[layout.level_range(lv) for lv in range(d)]))
+        tensor = torch.tensor(prefixes, dtype=torch.long).reshape(len(prefixes), d)
+        mask = trie.allowed_mask(tensor)
+        counts = trie.child_count(tensor)
+        assert mask.shape == (len(prefixes), layout.codes_per_level[d])
+        for row, prefix in enumerate(prefixes):
+            expected = {r[d] for r in catalog_rows if r[:d] == prefix}
+            got = {layout.level_start(d) + c for c in mask[row].nonzero()[:, 0].tolist()}
+            assert got == expected, (prefix, got, expected)
+            assert int(counts[row]) == len(expected)
+            assert bool(trie.single_child(tensor[row : row + 1])) == (len(expected) == 1)
+            if len(expected) == 1:
+                assert int(trie.only_child(tensor[row : row + 1])) == next(iter(expected))
+
+
+def test_item_index_finds_items_and_rejects_the_rest(catalog):
+    layout, items, trie = catalog
+    everything = torch.tensor(list(itertools.product(*[layout.level_range(lv) for lv in range(4)])))
+    index = trie.item_index(everything)
+    lookup = {tuple(r): i for i, r in enumerate(items.tolist())}
+    for row, found in zip(everything.tolist(), index.tolist(), strict=True):
+        assert found == lookup.get(tuple(row), -1)
+    assert trie.item_index(items[None]).tolist() == [list(range(len(items)))]
+
+
+def test_tokens_of_the_wrong_level_are_invalid(catalog):
+    layout, items, trie = catalog
+    wrong = items[:1].clone()
+    wrong[0, 1] = layout.level_start(0)  # a level-0 token at level 1
+    assert trie.item_index(wrong).tolist() == [-1]
+    assert not trie.allowed_mask(wrong[:, :2]).any()
+    assert trie.child_count(torch.tensor([[0]])).tolist() == [0]  # a special token
+
+
+def test_bad_catalogs_are_refused():
+    layout = TokenLayout.for_scratch_model((4, 4))
+    with pytest.raises(ValueError, match="duplicate"):
+        ItemTrie(torch.tensor(layout.encode([[1, 2], [1, 2]])), layout)
+    with pytest.raises(ValueError, match="outside"):
+        ItemTrie(torch.tensor([[0, 5]]), layout)
+    with pytest.raises(ValueError, match="must be"):
+        ItemTrie(torch.tensor([4, 8]), layout)
