@@ -1,0 +1,148 @@
+"""``genrec bench ingest``: the ingest path's rate next to a bare Kafka consumer's (ingest step).
+
+Produces N synthetic events to a fresh topic, then reads them all twice in one
+run: (a) a bare kafka-python consumer that only counts messages, (b) the real
+ingest path (validate, store in a fresh SQLite database, commit). It prints both
+rates and their ratio; no pass/fail, the numbers are the result.
+
+Example::
+
+    $ genrec bench ingest --events 200000 --json var/bench-ingest.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from genrec.infra.settings import Settings
+
+log = logging.getLogger("genrec.ingest.bench")
+
+
+def synthetic_events(n: int, users: int = 5000, items: int = 20000, seed: int = 0) -> pd.DataFrame:
+    """N events over ``users`` x ``items`` with increasing timestamps, like a busy site."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return pd.DataFrame(
+        {
+            "event_id": [f"bench-{i}" for i in range(n)],
+            "user_id": rng.integers(0, users, n).astype(str),
+            "item_id": rng.integers(0, items, n).astype(str),
+            "timestamp": 1_700_000_000_000 + np.arange(n, dtype="int64") * 10,
+            "event_type": rng.choice(
+                ["view", "click", "cart", "purchase"], n, p=[0.7, 0.2, 0.07, 0.03]
+            ),
+        }
+    )
+
+
+def bare_consume(settings: Settings, topic: str, expected: int) -> float:
+    """Seconds for a plain group consumer (same fetch settings) to read ``expected`` messages.
+
+    Both timers start at the first non-empty poll, so the group join (seconds,
+    the same for both) does not blur the rates.
+    """
+    from kafka import KafkaConsumer
+
+    from genrec.ingest.consumer import consumer_config
+
+    config = consumer_config(settings, group_id=f"genrec-bench-bare-{uuid.uuid4().hex[:8]}")
+    consumer = KafkaConsumer(topic, **config)
+    seen, began = 0, None
+    try:
+        while seen < expected:
+            batch = consumer.poll(timeout_ms=1000)
+            if batch and began is None:
+                began = time.monotonic()
+            for records in batch.values():
+                seen += len(records)
+        return time.monotonic() - began
+    finally:
+        consumer.close(autocommit=False)
+
+
+def ingest_consume(
+    settings: Settings, topic: str, expected: int, database_url: str
+) -> tuple[float, int]:
+    """Seconds for the ingest path to store ``expected`` events; returns (seconds, stored).
+
+    Timed from the first non-empty poll to the end of the last batch's store.
+    """
+    from genrec.ingest.consumer import Ingestor
+
+    settings = settings.model_copy(deep=True)
+    settings.kafka.topic_events = topic
+    settings.database_url = database_url
+    ingestor = Ingestor(settings, group_id=f"genrec-bench-ingest-{uuid.uuid4().hex[:8]}")
+    stats = ingestor.run(until=lambda stats: stats.events_stored >= expected, progress_every_s=1e9)
+    ingestor.engine.dispose()
+    return stats.last_store_at - stats.first_event_at, stats.events_stored
+
+
+def run_bench(
+    settings: Settings, n_events: int = 200_000, json_path: Path | None = None
+) -> dict[str, Any]:
+    from genrec.infra.topics import create_topics
+    from genrec.ingest.replay import replay_events
+
+    suffix = uuid.uuid4().hex[:8]
+    kafka = settings.kafka.model_copy(
+        update={
+            "topic_events": f"genrec.bench-ingest-{suffix}",
+            "topic_dlq": f"genrec.bench-ingest-{suffix}.dlq",
+            "topic_recommendations": f"genrec.bench-ingest-{suffix}.recs",
+        }
+    )
+    settings = settings.model_copy(update={"kafka": kafka})
+    create_topics(kafka)
+    try:
+        produced = replay_events(settings, synthetic_events(n_events), progress=False)
+        log.info("produced %d events in %.1f s", produced.produced, produced.seconds)
+        bare_s = bare_consume(settings, kafka.topic_events, n_events)
+        with tempfile.TemporaryDirectory(prefix="genrec-bench-") as folder:
+            url = f"sqlite:///{Path(folder) / 'bench.db'}"
+            ingest_s, stored = ingest_consume(settings, kafka.topic_events, n_events, url)
+    finally:
+        _delete_topics(kafka)
+    result = {
+        "events": n_events,
+        "partitions": kafka.events_partitions,
+        "produce_events_per_s": round(n_events / produced.seconds, 1),
+        "bare_consumer_events_per_s": round(n_events / bare_s, 1),
+        "ingest_sqlite_events_per_s": round(n_events / ingest_s, 1),
+        "ingest_to_bare_ratio": round(bare_s / ingest_s, 3),
+        "stored": stored,
+        "batch_size": settings.ingest.batch_size,
+    }
+    print(
+        f"bench ingest: {n_events:,} events, {kafka.events_partitions} partitions\n"
+        f"  produce         {result['produce_events_per_s']:>12,.0f} events/s\n"
+        f"  bare consumer   {result['bare_consumer_events_per_s']:>12,.0f} events/s\n"
+        f"  ingest (SQLite) {result['ingest_sqlite_events_per_s']:>12,.0f} events/s "
+        f"(stored {stored:,})\n"
+        f"  ratio ingest/bare {result['ingest_to_bare_ratio']:.2f}"
+    )
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _delete_topics(kafka) -> None:
+    from kafka import KafkaAdminClient
+
+    with (
+        contextlib.suppress(Exception),
+        contextlib.closing(KafkaAdminClient(**kafka.client_config())) as admin,
+    ):
+        admin.delete_topics([kafka.topic_events, kafka.topic_dlq, kafka.topic_recommendations])

@@ -1,0 +1,353 @@
+"""The ingest loop (ingest step): Kafka events -> validated -> behavior store, at least once.
+
+Per batch: poll, validate every message, write the valid ones in ONE database
+transaction (idempotent on event_id), publish the invalid ones to the
+dead-letter topic and wait for its acks, and only then commit the Kafka offsets
+of the batch. A crash anywhere before the commit means redelivery, and
+redelivered events are skipped by the store, so every event is stored exactly
+once. ``run`` overlaps the store of one batch with the poll and validation of
+the next (a writer thread); a rebalance waits for the write in flight.
+
+Example::
+
+    >>> from genrec.infra.settings import get_settings
+    >>> ingestor = Ingestor(get_settings())          # doctest: +SKIP
+    >>> ingestor.run(exit_when_idle_s=10)            # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import ConsumerRebalanceListener
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
+
+from genrec.infra.settings import Settings
+from genrec.ingest.dlq import DeadLetterPublisher
+from genrec.ingest.store import write_events
+from genrec.schemas.events import DeadLetter, Rejection, validate_event
+
+log = logging.getLogger("genrec.ingest")
+
+
+@dataclass
+class PreparedBatch:
+    """One poll, validated: rows to store, letters to dead-letter, offsets to commit after."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    letters: list[DeadLetter] = field(default_factory=list)
+    offsets: dict[Any, int] = field(default_factory=dict)
+
+
+@dataclass
+class IngestStats:
+    """Counters of one ingest process, read by the progress line (and a metrics endpoint)."""
+
+    events_seen: int = 0
+    events_stored: int = 0
+    events_duplicate: int = 0
+    events_rejected: int = 0
+    batches: int = 0
+    commits: int = 0
+    lag: int | None = None
+    rejected_by_reason: Counter = field(default_factory=Counter)
+    started_at: float = field(default_factory=time.monotonic)
+    first_event_at: float | None = None
+    last_store_at: float | None = None
+
+    def rate(self) -> float:
+        """Events handled per second since the start."""
+        elapsed = time.monotonic() - self.started_at
+        return self.events_seen / elapsed if elapsed > 0 else 0.0
+
+    def progress_line(self) -> str:
+        lag = "?" if self.lag is None else str(self.lag)
+        return (
+            f"ingest: {self.rate():,.0f} events/s, stored {self.events_stored:,}, "
+            f"duplicates {self.events_duplicate:,}, rejected {self.events_rejected:,}, "
+            f"batches {self.batches:,}, lag {lag}"
+        )
+
+
+def consumer_config(settings: Settings, *, group_id: str | None = None) -> dict[str, Any]:
+    """kafka-python consumer settings tuned for throughput, with manual commits."""
+    ingest = settings.ingest
+    return {
+        **settings.kafka.client_config(),
+        "group_id": group_id or ingest.group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "max_poll_records": ingest.batch_size,
+        "fetch_max_bytes": ingest.fetch_max_bytes,
+        "max_partition_fetch_bytes": ingest.max_partition_fetch_bytes,
+        "fetch_max_wait_ms": ingest.batch_timeout_ms,
+        "max_poll_interval_ms": ingest.max_poll_interval_ms,
+        "session_timeout_ms": ingest.session_timeout_ms,
+        "heartbeat_interval_ms": max(ingest.session_timeout_ms // 4, 500),
+        "reconnect_backoff_max_ms": 2000,
+    }
+
+
+class Ingestor:
+    """Consumes ``kafka.topic_events`` into the store; ``run`` until idle or ``stop()``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Engine | None = None,
+        consumer: Any = None,
+        dead_letters: DeadLetterPublisher | None = None,
+        group_id: str | None = None,
+    ) -> None:
+        from genrec.infra.database import make_engine
+
+        self.settings = settings
+        self.engine = engine or make_engine(str(settings.database_url))
+        self.consumer = consumer or self._make_consumer(group_id)
+        self.dead_letters = dead_letters or DeadLetterPublisher(settings)
+        self.stats = IngestStats()
+        self._stop = threading.Event()
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
+        self._in_flight: Future | None = None
+        self._uncommitted: dict[Any, int] = {}
+        # When something last happened (a message, an assignment): the idle clock.
+        self.last_activity = time.monotonic()
+
+    def _make_consumer(self, group_id: str | None) -> Any:
+        from kafka import KafkaConsumer
+
+        consumer = KafkaConsumer(**consumer_config(self.settings, group_id=group_id))
+        consumer.subscribe([self.settings.kafka.topic_events], listener=_RebalanceLog(self))
+        return consumer
+
+    def stop(self) -> None:
+        """Ask ``run`` to finish the batch in hand, commit, and return (signal-safe)."""
+        self._stop.set()
+
+    def run(
+        self,
+        *,
+        exit_when_idle_s: float | None = None,
+        progress_every_s: float = 5.0,
+        until: Callable[[IngestStats], bool] | None = None,
+    ) -> IngestStats:
+        """Consume until ``stop()``, ``until(stats)``, or ``exit_when_idle_s`` s without a message.
+
+        Pipelined: while the writer thread stores batch N, this thread polls and
+        validates batch N+1; batch N's offsets are committed (here: the consumer
+        is not thread-safe) as soon as its write and dead letters are done.
+        """
+        ingest = self.settings.ingest
+        self.last_activity = last_progress = started = time.monotonic()
+        try:
+            while not self._stop.is_set() and not (until and until(self.stats)):
+                batch = self.consumer.poll(timeout_ms=ingest.poll_timeout_ms)
+                now = time.monotonic()
+                if batch:
+                    prepared = self.prepare(batch)
+                    self.drain()
+                    self._in_flight = self._writer.submit(self.store, prepared)
+                    self.last_activity = now
+                else:
+                    self.drain()
+                if now - last_progress >= progress_every_s:
+                    self._update_lag()
+                    log.info("%s", self.stats.progress_line())
+                    last_progress = now
+                idle = not batch and exit_when_idle_s is not None
+                if idle and self._joining(started, now):
+                    idle = False
+                if idle and now - self.last_activity >= exit_when_idle_s:
+                    log.info("no new events for %.0f s, exiting", exit_when_idle_s)
+                    break
+            self.drain()
+        finally:
+            self.close()
+        self._update_lag()
+        log.info("%s (done)", self.stats.progress_line())
+        return self.stats
+
+    def _joining(self, started: float, now: float) -> bool:
+        """No partitions yet, within the time a dead member's session takes to expire.
+
+        After a crash the group waits for the old member's session to time out
+        before it assigns anything: that wait is not idleness.
+        """
+        grace_s = 2 * self.settings.ingest.session_timeout_ms / 1000 + 15
+        return now - started < grace_s and not self.consumer.assignment()
+
+    def process_batch(self, batch: dict[Any, list[Any]]) -> None:
+        """Validate, store, dead-letter and commit one poll's records, synchronously."""
+        prepared = self.prepare(batch)
+        self.store(prepared)
+        self._commit_with_retry(prepared.offsets)
+
+    def prepare(self, batch: dict[Any, list[Any]]) -> PreparedBatch:
+        """Validate every record: rows for the store, dead letters, next offsets per partition."""
+        prepared = PreparedBatch()
+        max_bytes = self.settings.ingest.max_message_bytes
+        for partition, records in batch.items():
+            for record in records:
+                outcome = validate_event(record.value, max_bytes)
+                if isinstance(outcome, Rejection):
+                    prepared.letters.append(_dead_letter(outcome, record))
+                else:
+                    prepared.rows.append(_row(outcome, record))
+            prepared.offsets[partition] = records[-1].offset + 1
+        self.stats.events_seen += len(prepared.rows) + len(prepared.letters)
+        self.stats.first_event_at = self.stats.first_event_at or time.monotonic()
+        return prepared
+
+    def store(self, prepared: PreparedBatch) -> dict[Any, int]:
+        """ONE transaction for the rows, then the dead letters acked; returns offsets to commit."""
+        stored = self._write_with_retry(prepared.rows)
+        self.stats.events_stored += stored
+        self.stats.events_duplicate += len(prepared.rows) - stored
+        if prepared.letters:
+            self.dead_letters.publish(prepared.letters, stop=self._stop)
+            self.stats.events_rejected += len(prepared.letters)
+            self.stats.rejected_by_reason.update(letter.reason for letter in prepared.letters)
+        self.stats.batches += 1
+        self.stats.last_store_at = time.monotonic()
+        return prepared.offsets
+
+    def drain(self, *, commit: bool = True) -> None:
+        """Wait for the batch being stored; then commit its offsets (the consumer's thread only)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return
+        offsets = in_flight.result()  # re-raises a failed write: nothing gets committed
+        if commit:
+            self._commit_with_retry(offsets)
+        else:
+            self._uncommitted.update(offsets)
+
+    def _write_with_retry(self, rows: list[dict[str, Any]]) -> int:
+        # A database outage must not lose the batch: keep trying (nothing is committed
+        # to Kafka yet). Only a stop request gives up, and then redelivery covers it.
+        delay = 0.5
+        while True:
+            try:
+                return write_events(self.engine, rows)
+            except DBAPIError as exc:
+                if self._stop.is_set():
+                    raise
+                log.warning("database write failed (%s); retrying in %.1f s", _short(exc), delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _commit_with_retry(self, offsets: dict[Any, int]) -> None:
+        from kafka.errors import CommitFailedError, KafkaError
+        from kafka.structs import OffsetAndMetadata
+
+        offsets = {**self._uncommitted, **offsets}
+        self._uncommitted = {}
+        owned = self.consumer.assignment()
+        # Partitions lost in a rebalance are the new owner's to commit (it re-reads
+        # them from the last commit; the store skips what we already wrote).
+        to_commit = {
+            tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items() if tp in owned
+        }
+        if not to_commit:
+            return
+        while True:
+            try:
+                self.consumer.commit(offsets=to_commit, timeout_ms=10_000)
+                self.stats.commits += 1
+                return
+            except CommitFailedError as exc:
+                # The group moved on (we lost these partitions): whoever owns them now
+                # re-reads from the last commit, and the store skips what we wrote.
+                log.warning("offset commit refused after a rebalance: %s", _short(exc))
+                return
+            except KafkaError as exc:
+                if self._stop.is_set():
+                    log.warning("offset commit failed while stopping: %s", _short(exc))
+                    return
+                log.warning("offset commit failed (%s); retrying", _short(exc))
+                time.sleep(1.0)
+
+    def _update_lag(self) -> None:
+        """Lag = newest offset the broker reported - our position, over assigned partitions."""
+        try:
+            lag = 0
+            for partition in self.consumer.assignment():
+                highwater = self.consumer.highwater(partition)
+                position = self.consumer.position(partition, timeout_ms=1000)
+                if highwater is not None and position is not None:
+                    lag += max(highwater - position, 0)
+            self.stats.lag = lag
+        except Exception as exc:  # lag is cosmetic; never let it stop ingest
+            log.debug("lag unavailable: %s", exc)
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+        try:
+            self.consumer.close(autocommit=False)
+        except TypeError:  # fakes and older clients take no argument
+            self.consumer.close()
+        self.dead_letters.close()
+
+
+def _row(event: Any, record: Any) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "user_id": event.user_id,
+        "item_id": event.item_id,
+        "event_type": event.event_type,
+        "ts_ms": event.ts,
+        "value": event.value,
+        "context": event.context,
+        "kafka_topic": record.topic,
+        "kafka_partition": record.partition,
+        "kafka_offset": record.offset,
+    }
+
+
+def _dead_letter(rejection: Rejection, record: Any) -> DeadLetter:
+    return DeadLetter.from_message(
+        rejection,
+        value=record.value,
+        key=record.key,
+        topic=record.topic,
+        partition=record.partition,
+        offset=record.offset,
+        timestamp_ms=getattr(record, "timestamp", None),
+    )
+
+
+def _short(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+
+
+class _RebalanceLog(ConsumerRebalanceListener):
+    """Rebalances need no action here (nothing uncommitted survives a poll); log them.
+
+    An assignment restarts the idle clock: joining a group can take longer than
+    ``--exit-when-idle`` on a busy machine.
+    """
+
+    def __init__(self, ingestor: Ingestor) -> None:
+        self.ingestor = ingestor
+
+    def on_partitions_revoked(self, revoked) -> None:
+        # Runs inside the client's event loop, where a commit would deadlock: finish the
+        # write in flight, and leave its offsets for the next commit (owned ones only).
+        self.ingestor.drain(commit=False)
+        if revoked:
+            log.info(
+                "partitions revoked: %s", sorted(f"{tp.topic}-{tp.partition}" for tp in revoked)
+            )
+
+    def on_partitions_assigned(self, assigned) -> None:
+        self.ingestor.last_activity = time.monotonic()
+        log.info("partitions assigned: %s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))

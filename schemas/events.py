@@ -1,0 +1,262 @@
+"""The user-event contract (ingest step): what producers send on ``genrec.user-events``.
+
+A user event is one JSON object per Kafka message, keyed by ``user_id`` so one
+user's events stay in one partition, in the order they were produced.
+``validate_event`` turns raw message bytes into a ``UserEvent`` or a
+``Rejection`` with a machine-readable reason; rejected messages travel on to
+the dead-letter topic as a ``DeadLetter``.
+
+Example::
+
+    >>> from genrec.schemas.events import validate_event
+    >>> validate_event(b'{"event_id": "e1", "user_id": 7, "item_id": "42", '
+    ...                b'"event_type": "view", "ts": "2024-01-01T00:00:00Z"}').ts
+    1704067200000
+    >>> validate_event(b'{"event_id": "e1"').reason
+    'not_json'
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictFloat,
+    StrictStr,
+    StringConstraints,
+    ValidationError,
+    WithJsonSchema,
+)
+
+SCHEMA_VERSION = 1
+EVENT_TYPES = ("view", "click", "cart", "purchase", "rate")
+EventType = Literal["view", "click", "cart", "purchase", "rate"]
+MAX_ID_LENGTH = 128
+# 9999-12-31T23:59:59.999Z: anything later is a unit mistake, not a date.
+MAX_TS_MS = 253_402_300_799_999
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+# Reasons a message is dead-lettered, most fundamental first: when a message has
+# several problems, the first one in this order is the one reported.
+REJECT_REASONS = (
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "missing_id",
+    "bad_timestamp",
+    "unknown_event_type",
+    "schema_violation",
+)
+RejectReason = Literal[
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "missing_id",
+    "bad_timestamp",
+    "unknown_event_type",
+    "schema_violation",
+]
+
+
+def parse_timestamp_ms(value: Any) -> int:
+    """Epoch milliseconds (int, integral float, or digits as text) or ISO 8601 text -> epoch ms.
+
+    ISO text without a zone is read as UTC. Raises ``ValueError`` otherwise.
+    """
+    if isinstance(value, bool):
+        raise ValueError("timestamp must be epoch milliseconds or ISO 8601 text, not a boolean")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int):
+        ts_ms = value
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():  # digits only: epoch ms sent as text
+            return parse_timestamp_ms(int(text))
+        try:
+            parsed = datetime.fromisoformat(text)
+        except ValueError:
+            raise ValueError(f"timestamp {text[:64]!r} is not ISO 8601") from None
+        if parsed.tzinfo is None:
+            parsed = parsed.replace(tzinfo=UTC)
+        ts_ms = (parsed - _EPOCH) // timedelta(milliseconds=1)
+    else:
+        raise ValueError("timestamp must be epoch milliseconds or ISO 8601 text")
+    if not 0 <= ts_ms <= MAX_TS_MS:
+        raise ValueError(f"timestamp {ts_ms} ms is outside 1970..9999")
+    return ts_ms
+
+
+# Strings and integers are validated inside pydantic-core (Rust); Python runs only
+# to turn an integer id into text or to parse ISO text: most events never need it.
+Identifier = Annotated[
+    Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_ID_LENGTH)]
+    | Annotated[int, Strict(), AfterValidator(str)],
+    Field(union_mode="left_to_right"),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "string", "minLength": 1, "maxLength": MAX_ID_LENGTH},
+                {"type": "integer"},
+            ],
+            "description": "An identifier; integers are accepted and stored as text.",
+        }
+    ),
+]
+
+EpochMs = Annotated[
+    Annotated[int, Strict(), Field(ge=0, le=MAX_TS_MS)]
+    | Annotated[StrictFloat | StrictStr, AfterValidator(parse_timestamp_ms)],
+    Field(union_mode="left_to_right"),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": MAX_TS_MS},
+                {"type": "string", "format": "date-time"},
+            ],
+            "description": "Epoch milliseconds, or ISO 8601 text (UTC when no zone is given).",
+        }
+    ),
+]
+
+
+class UserEvent(BaseModel):
+    """One user behavior event. Kafka key: ``user_id`` (UTF-8)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, title="UserEvent")
+
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1, le=SCHEMA_VERSION)
+    event_id: Identifier = Field(description="Unique per event; redelivery is deduplicated on it.")
+    user_id: Identifier
+    item_id: Identifier
+    event_type: EventType
+    ts: EpochMs = Field(description="When the event happened.")
+    value: float | None = Field(
+        default=None, allow_inf_nan=False, description="Rating, price, dwell time..."
+    )
+    context: dict[str, Any] | None = Field(
+        default=None, description="Free-form details (page, device, query...)."
+    )
+
+    def kafka_key(self) -> bytes:
+        return self.user_id.encode()
+
+    def to_json_bytes(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+class Rejection(BaseModel):
+    """Why one message was refused: ``reason`` is a code, ``detail`` is for humans."""
+
+    model_config = ConfigDict(frozen=True)
+
+    reason: RejectReason
+    detail: str
+
+
+class DeadLetter(BaseModel):
+    """A refused message on ``genrec.user-events.dlq``, with everything needed to replay it."""
+
+    model_config = ConfigDict(extra="ignore", title="DeadLetter")
+
+    schema_version: int = Field(default=SCHEMA_VERSION, ge=1)
+    reason: RejectReason
+    detail: str
+    original_base64: str = Field(description="The message value exactly as received, base64.")
+    original_key_base64: str | None = None
+    key: str | None = Field(default=None, description="The message key as text, when UTF-8.")
+    source_topic: str
+    source_partition: int
+    source_offset: int
+    source_timestamp_ms: int | None = None
+    failed_at: int = Field(description="Epoch milliseconds when ingest refused it.")
+
+    @classmethod
+    def from_message(
+        cls,
+        rejection: Rejection,
+        *,
+        value: bytes | None,
+        key: bytes | None,
+        topic: str,
+        partition: int,
+        offset: int,
+        timestamp_ms: int | None = None,
+    ) -> DeadLetter:
+        key_text = None
+        if key is not None:
+            try:
+                key_text = key.decode()
+            except UnicodeDecodeError:
+                key_text = None
+        return cls(
+            reason=rejection.reason,
+            detail=rejection.detail,
+            original_base64=base64.b64encode(value or b"").decode(),
+            original_key_base64=base64.b64encode(key).decode() if key is not None else None,
+            key=key_text,
+            source_topic=topic,
+            source_partition=partition,
+            source_offset=offset,
+            source_timestamp_ms=timestamp_ms,
+            failed_at=int(time.time() * 1000),
+        )
+
+    def original(self) -> bytes:
+        return base64.b64decode(self.original_base64)
+
+
+# --- validation ---------------------------------------------------------------
+
+_ID_FIELDS = ("event_id", "user_id", "item_id")
+
+
+def validate_event(raw: bytes | None, max_bytes: int = 64 * 1024) -> UserEvent | Rejection:
+    """Raw Kafka message value -> ``UserEvent``, or the ``Rejection`` that explains why not."""
+    if raw is None:
+        return Rejection(reason="not_json", detail="message has no value (tombstone)")
+    if len(raw) > max_bytes:
+        return Rejection(reason="too_large", detail=f"{len(raw)} bytes > limit {max_bytes}")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Rejection(reason="not_utf8", detail=f"invalid UTF-8 at byte {exc.start}")
+    try:
+        return UserEvent.model_validate_json(raw)
+    except ValidationError as exc:
+        return classify_errors(exc)
+
+
+def classify_errors(exc: ValidationError) -> Rejection:
+    """The most fundamental problem among pydantic's errors, as a ``Rejection``."""
+    found: dict[str, str] = {}
+    for error in exc.errors(include_url=False):
+        reason = _reason_for(error)
+        where = ".".join(str(part) for part in error["loc"]) or "message"
+        found.setdefault(reason, f"{where}: {error['msg']}")
+    reason = min(found, key=REJECT_REASONS.index)
+    return Rejection(reason=reason, detail=found[reason])
+
+
+def _reason_for(error: Any) -> RejectReason:
+    kind = error["type"]
+    field = error["loc"][0] if error["loc"] else None
+    if kind in ("json_invalid", "json_type"):
+        return "not_json"
+    if field in _ID_FIELDS and kind in ("missing", "string_too_short", "too_short"):
+        return "missing_id"
+    if field in _ID_FIELDS and kind == "string_type" and error.get("input", None) is None:
+        return "missing_id"
+    if field == "ts" and kind != "missing":
+        return "bad_timestamp"
+    if field == "event_type" and kind == "literal_error":
+        return "unknown_event_type"
+    return "schema_violation"

@@ -1,0 +1,278 @@
+"""Ingest against the real Kafka broker, on SQLite and PostgreSQL: exactly-once storage under failures."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer
+from sqlalchemy import func, select
+
+from genrec.infra.database import make_engine
+from genrec.infra.settings import IngestSettings, Settings
+from genrec.ingest.bench import synthetic_events
+from genrec.ingest.consumer import Ingestor
+from genrec.ingest.replay import replay_events
+from genrec.schemas.events import DeadLetter
+from genrec.schemas.tables import events
+
+pytestmark = pytest.mark.integration
+
+GENREC = Path(sys.executable).parent / "genrec"
+
+
+def make_settings(kafka_settings, database_url: str, tmp_path: Path, **ingest) -> Settings:
+    return Settings(
+        home=tmp_path,
+        database_url=database_url,
+        kafka=kafka_settings,
+        ingest=IngestSettings(**ingest),
+    )
+
+
+def produce_range(settings: Settings, start: int, stop: int) -> None:
+    """Events bench-{start}..bench-{stop-1}, 200 users, keyed by user, in id order."""
+    frame = synthetic_events(stop, users=200).iloc[start:stop]
+    replay_events(settings, frame, progress=False)
+
+
+def stored_ids(database_url: str) -> list[str]:
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            return list(
+                connection.execute(select(events.c.event_id).order_by(events.c.id)).scalars()
+            )
+    finally:
+        engine.dispose()
+
+
+def count_events(database_url: str) -> int:
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            return connection.execute(select(func.count()).select_from(events)).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.5)
+
+
+def assert_exactly(database_url: str, n: int) -> None:
+    ids = stored_ids(database_url)
+    assert len(ids) == n and set(ids) == {f"bench-{i}" for i in range(n)}
+
+
+def test_round_trip_exact_counts_and_order(kafka_settings, database_url, tmp_path):
+    settings = make_settings(kafka_settings, database_url, tmp_path, batch_size=2000)
+    produce_range(settings, 0, 10_000)
+    stats = Ingestor(settings).run(exit_when_idle_s=3)
+    assert (stats.events_stored, stats.events_rejected, stats.events_duplicate) == (10_000, 0, 0)
+    assert stats.lag == 0
+    assert_exactly(database_url, 10_000)
+    engine = make_engine(database_url)
+    with engine.connect() as connection:
+        rows = connection.execute(
+            select(events.c.user_id, events.c.event_id).order_by(
+                events.c.user_id, events.c.ts_ms, events.c.id
+            )
+        ).all()
+    engine.dispose()
+    # Per user, the store keeps the produced order (ids grow with time here).
+    last: dict[str, int] = {}
+    for user_id, event_id in rows:
+        number = int(event_id.split("-")[1])
+        assert number > last.get(user_id, -1)
+        last[user_id] = number
+
+
+BAD = {
+    "not_utf8": b"\xff\xfe\x00 not text",
+    "not_json": b"{'event_id': 1}",
+    "schema_violation": b'{"event_id": "x1", "user_id": "u", "item_id": "i", "event_type": "view", "ts": 1, "value": "high"}',
+    "unknown_event_type": b'{"event_id": "x2", "user_id": "u", "item_id": "i", "event_type": "like", "ts": 1}',
+    "missing_id": b'{"user_id": "u", "item_id": "i", "event_type": "view", "ts": 1}',
+    "too_large": json.dumps(
+        {
+            "event_id": "x3",
+            "user_id": "u",
+            "item_id": "i",
+            "event_type": "view",
+            "ts": 1,
+            "context": {"blob": "x" * 3000},
+        }
+    ).encode(),
+    "bad_timestamp": b'{"event_id": "x4", "user_id": "u", "item_id": "i", "event_type": "view", "ts": "soon"}',
+}
+
+
+def test_bad_input_goes_to_the_dead_letter_topic(kafka_settings, database_url, tmp_path):
+    settings = make_settings(kafka_settings, database_url, tmp_path, max_message_bytes=2048)
+    producer = KafkaProducer(**kafka_settings.client_config())
+    sent = []
+    for i, (reason, raw) in enumerate(BAD.items()):
+        good = json.dumps(
+            {"event_id": f"g{i}", "user_id": "u", "item_id": "i", "event_type": "view", "ts": 1}
+        ).encode()
+        for value in (good, raw):
+            meta = producer.send(kafka_settings.topic_events, key=b"u", value=value).get(timeout=30)
+            sent.append((reason if value is raw else None, meta.partition, meta.offset, value))
+    producer.close()
+    stats = Ingestor(settings).run(exit_when_idle_s=3)
+    assert stats.events_stored == len(BAD) and stats.events_rejected == len(BAD)
+    assert sorted(stored_ids(database_url)) == sorted(f"g{i}" for i in range(len(BAD)))
+
+    consumer = KafkaConsumer(
+        kafka_settings.topic_dlq,
+        **kafka_settings.client_config(),
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=5000,
+    )
+    letters = [(DeadLetter.model_validate_json(m.value), dict(m.headers)) for m in consumer]
+    consumer.close()
+    expected = {
+        (reason, partition, offset, value) for reason, partition, offset, value in sent if reason
+    }
+    got = {
+        (letter.reason, letter.source_partition, letter.source_offset, letter.original())
+        for letter, _ in letters
+    }
+    assert got == expected
+    assert all(
+        headers["reason"] == letter.reason.encode() and letter.key == "u"
+        for letter, headers in letters
+    )
+    assert all(
+        letter.source_topic == kafka_settings.topic_events and letter.detail
+        for letter, _ in letters
+    )
+
+
+def test_redelivery_after_a_crash_before_the_commit_stores_nothing_twice(kafka_settings, tmp_path):
+    url = f"sqlite:///{tmp_path / 'crash.db'}"
+    settings = make_settings(kafka_settings, url, tmp_path)
+    produce_range(settings, 0, 3000)
+    crashed = Ingestor(settings)
+    crashed._commit_with_retry = lambda offsets: None  # the process dies right after the DB commit
+    assert crashed.run(exit_when_idle_s=3).events_stored == 3000
+    again = Ingestor(settings).run(exit_when_idle_s=3)
+    assert (again.events_stored, again.events_duplicate) == (0, 3000)
+    assert_exactly(url, 3000)
+
+
+def ingest_process(settings: Settings, log_path: Path, *extra: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "GENREC_HOME": str(settings.home),
+        "GENREC_DATABASE_URL": str(settings.database_url),
+        "GENREC_KAFKA__BOOTSTRAP": settings.kafka.bootstrap,
+        "GENREC_KAFKA__TOPIC_EVENTS": settings.kafka.topic_events,
+        "GENREC_KAFKA__TOPIC_DLQ": settings.kafka.topic_dlq,
+        "GENREC_INGEST__BATCH_SIZE": str(settings.ingest.batch_size),
+        "GENREC_INGEST__PROGRESS_EVERY_S": "1",
+    }
+    handle = log_path.open("ab")
+    return subprocess.Popen(
+        [str(GENREC), "ingest", *extra], env=env, stdout=handle, stderr=subprocess.STDOUT
+    )
+
+
+def test_kill_9_mid_stream_then_restart_stores_each_event_once(
+    kafka_settings, database_url, tmp_path
+):
+    settings = make_settings(kafka_settings, database_url, tmp_path, batch_size=200)
+    log_path = tmp_path / "ingest.log"
+    produce_range(settings, 0, 6000)
+    first = ingest_process(settings, log_path, "--exit-when-idle", "120")
+    try:
+        wait_for(
+            lambda: count_events(database_url) >= 600, 120, "the first process to store events"
+        )
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    assert first.returncode == -signal.SIGKILL
+    produce_range(settings, 6000, 10_000)
+    second = ingest_process(settings, log_path, "--exit-when-idle", "5")
+    assert second.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+    assert_exactly(database_url, 10_000)
+
+
+def test_sigterm_drains_and_exits_zero(kafka_settings, tmp_path):
+    url = f"sqlite:///{tmp_path / 'term.db'}"
+    settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)
+    log_path = tmp_path / "ingest.log"
+    produce_range(settings, 0, 2000)
+    process = ingest_process(settings, log_path)
+    wait_for(lambda: count_events(url) == 2000, 120, "all events stored")
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    assert "(done)" in log_path.read_text()
+
+
+def test_broker_restart_mid_stream_loses_nothing(kafka_broker, kafka_settings, tmp_path):
+    url = f"sqlite:///{tmp_path / 'outage.db'}"
+    settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)
+    produce_range(settings, 0, 5000)
+    ingestor = Ingestor(settings)
+    thread = threading.Thread(target=ingestor.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: ingestor.stats.events_stored >= 500, 120, "ingest to start storing")
+        kafka_broker.down()
+        time.sleep(2)  # the consumer now polls, commits and reconnects into a void
+        kafka_broker.up(timeout=180)
+        produce_range(settings, 5000, 8000)
+        wait_for(lambda: count_events(url) == 8000, 180, "ingest to resume after the outage")
+    finally:
+        ingestor.stop()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert_exactly(url, 8000)
+
+
+def test_two_processes_share_partitions_and_store_each_event_once(
+    kafka_settings, database_url, tmp_path
+):
+    """B joins while A is mid-stream (a rebalance with a write in flight); then both share."""
+    settings = make_settings(kafka_settings, database_url, tmp_path, batch_size=100)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    frame = synthetic_events(12_000, users=200)
+    producer = threading.Thread(
+        target=replay_events, args=(settings, frame), kwargs={"rate": 800, "progress": False}
+    )
+    processes = [ingest_process(settings, logs[0], "--exit-when-idle", "8")]
+    try:
+        wait_for(lambda: "partitions assigned: ['" in logs[0].read_text(), 120, "A's partitions")
+        producer.start()
+        wait_for(lambda: count_events(database_url) >= 2000, 120, "A to store events")
+        processes.append(ingest_process(settings, logs[1], "--exit-when-idle", "8"))
+        producer.join(timeout=120)
+        for process, path in zip(processes, logs, strict=True):
+            assert process.wait(timeout=240) == 0, path.read_text()[-3000:]
+    finally:
+        for process in processes:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+    stored = [
+        int(re.findall(r"stored ([\d,]+),.*\(done\)", path.read_text())[-1].replace(",", ""))
+        for path in logs
+    ]
+    assert all(count > 0 for count in stored) and sum(stored) == 12_000
+    assert "partitions revoked" in logs[0].read_text()
+    assert_exactly(database_url, 12_000)

@@ -1,0 +1,229 @@
+"""Ingest without Kafka: the batch protocol with fakes, the store on SQLite and PostgreSQL, replay framing."""
+
+from __future__ import annotations
+
+import json
+from collections import namedtuple
+
+import pandas as pd
+import pytest
+from kafka.structs import TopicPartition
+from sqlalchemy import func, select
+
+from genrec.infra.database import make_engine
+from genrec.infra.settings import Settings
+from genrec.ingest import replay
+from genrec.ingest.consumer import Ingestor
+from genrec.ingest.store import upsert_items, write_events
+from genrec.schemas.tables import events, items, users
+
+Record = namedtuple("Record", "topic partition offset key value timestamp")
+
+
+def event_bytes(i: int, user: str = "u1", ts: int | None = None) -> bytes:
+    return json.dumps(
+        {
+            "event_id": f"e{i}",
+            "user_id": user,
+            "item_id": f"i{i % 7}",
+            "event_type": "click",
+            "ts": ts if ts is not None else 1_000 + i,
+        }
+    ).encode()
+
+
+class FakeConsumer:
+    def __init__(self, batches, journal):
+        self.batches, self.journal, self.committed = list(batches), journal, {}
+        self.owned = set()
+
+    def poll(self, timeout_ms=0):
+        batch = self.batches.pop(0) if self.batches else {}
+        self.owned.update(batch)
+        return batch
+
+    def commit(self, offsets, timeout_ms=None):
+        self.journal.append("commit")
+        self.committed.update({tp: meta.offset for tp, meta in offsets.items()})
+
+    def assignment(self):
+        return self.owned
+
+    def close(self, autocommit=True):
+        self.journal.append("close")
+
+
+class FakeDeadLetters:
+    def __init__(self, journal):
+        self.journal, self.letters = journal, []
+
+    def publish(self, letters, stop=None):
+        self.journal.append("dlq")
+        self.letters.extend(letters)
+
+    def close(self):
+        pass
+
+
+def make_ingestor(tmp_path, batches):
+    journal: list[str] = []
+    settings = Settings(home=tmp_path)
+    engine = make_engine(str(settings.database_url))
+    consumer = FakeConsumer(batches, journal)
+    dead = FakeDeadLetters(journal)
+    ingestor = Ingestor(settings, engine=engine, consumer=consumer, dead_letters=dead)
+    return ingestor, consumer, dead, journal, engine
+
+
+def test_batch_stores_rejects_then_commits(tmp_path):
+    tp0, tp1 = TopicPartition("t", 0), TopicPartition("t", 1)
+    batch = {
+        tp0: [
+            Record("t", 0, 10, b"u1", event_bytes(1), 0),
+            Record("t", 0, 11, b"u1", b"garbage", 0),
+        ],
+        tp1: [Record("t", 1, 5, b"u2", event_bytes(2, "u2"), 0)],
+    }
+    ingestor, consumer, dead, journal, engine = make_ingestor(tmp_path, [batch, batch])
+    stats = ingestor.run(exit_when_idle_s=0.0)
+    assert journal == ["dlq", "commit", "dlq", "commit", "close"]
+    assert consumer.committed == {tp0: 12, tp1: 6}  # next offset to read, per partition
+    assert (stats.events_stored, stats.events_duplicate, stats.events_rejected) == (2, 2, 2)
+    assert [letter.reason for letter in dead.letters] == ["not_json", "not_json"]
+    assert dead.letters[0].source_offset == 11 and dead.letters[0].original() == b"garbage"
+    with engine.connect() as connection:
+        stored = connection.execute(select(events.c.event_id, events.c.kafka_offset)).all()
+    assert sorted(stored) == [("e1", 10), ("e2", 5)]
+
+
+def test_stop_finishes_the_batch_in_hand(tmp_path):
+    tp = TopicPartition("t", 0)
+    batches = [{tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in range(5)]
+    ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, batches)
+    original = ingestor.store
+
+    def store_then_stop(prepared):
+        ingestor.stop()  # as the SIGTERM handler does, mid-batch
+        return original(prepared)
+
+    ingestor.store = store_then_stop
+    stats = ingestor.run()
+    assert stats.batches == 1 and consumer.committed == {tp: 1} and journal[-1] == "close"
+
+
+def rows(n: int, user: str = "u1", start: int = 0) -> list[dict]:
+    return [
+        {
+            "event_id": f"e{i}",
+            "user_id": user,
+            "item_id": f"i{i}",
+            "event_type": "view",
+            "ts_ms": 5_000 - i if i % 2 else 5_000,
+            "value": float(i),
+            "context": {"i": i},
+            "kafka_topic": "t",
+            "kafka_partition": 0,
+            "kafka_offset": i,
+        }
+        for i in range(start, start + n)
+    ]
+
+
+def test_store_is_idempotent_and_keeps_order(database_url):
+    engine = make_engine(database_url)
+    assert write_events(engine, rows(300)) == 300
+    assert write_events(engine, rows(300, start=200)) == 200  # 100 already there
+    assert write_events(engine, []) == 0
+    with engine.connect() as connection:
+        stored = connection.execute(
+            select(events.c.event_id, events.c.context).order_by(events.c.id)
+        ).all()
+        span = connection.execute(select(users.c.first_ts_ms, users.c.last_ts_ms)).one()
+    assert [r.event_id for r in stored] == [f"e{i}" for i in range(500)]
+    assert stored[3].context == {"i": 3}
+    assert tuple(span) == (5_000 - 499, 5_000)
+    engine.dispose()
+
+
+def test_items_upsert(database_url):
+    engine = make_engine(database_url)
+    upsert_items(engine, [{"item_id": "1", "title": "Old"}, {"item_id": "2"}])
+    upsert_items(
+        engine, [{"item_id": "1", "title": "New", "year": 1999, "attributes": {"brand": "x"}}]
+    )
+    with engine.connect() as connection:
+        got = connection.execute(
+            select(items.c.item_id, items.c.title, items.c.year, items.c.attributes).order_by(
+                items.c.item_id
+            )
+        ).all()
+        assert connection.execute(select(func.count()).select_from(items)).scalar_one() == 2
+    assert tuple(got[0]) == ("1", "New", 1999, {"brand": "x"}) and tuple(got[1]) == (
+        "2",
+        None,
+        None,
+        None,
+    )
+    engine.dispose()
+
+
+def test_prepare_events_is_a_stable_time_sort_with_file_row_ids():
+    frame = pd.DataFrame(
+        {
+            "user_id": ["a", "b", "a", "c"],
+            "item_id": [1, 2, 3, 4],
+            "timestamp": ["20", "10", "10", "30"],
+            "value": ["5", "", "3", "1"],
+        }
+    )
+    out = replay.prepare_events(frame, event_id_prefix="log")
+    assert list(out["event_id"]) == ["log-1", "log-2", "log-0", "log-3"]  # ties keep file order
+    assert list(out["ts_ms"]) == [10_000, 10_000, 20_000, 30_000]  # seconds -> ms
+    assert list(out["item_id"]) == ["2", "3", "1", "4"] and set(out["event_type"]) == {"rate"}
+    assert list(replay.prepare_events(frame, end="0.5")["event_id"]) == ["replay-1", "replay-2"]
+    assert list(replay.prepare_events(frame, start="15", end="30")["event_id"]) == ["replay-0"]
+    assert list(replay.prepare_events(frame, start="0.5", limit=1)["event_id"]) == ["replay-0"]
+    iso = frame.assign(
+        timestamp=[
+            "1970-01-01T00:00:20Z",
+            "1970-01-01T00:00:10Z",
+            "1970-01-01T00:00:10Z",
+            "1970-01-01T00:00:30Z",
+        ]
+    )
+    assert list(replay.prepare_events(iso)["ts_ms"]) == [10_000, 10_000, 20_000, 30_000]
+
+
+def test_prepare_events_rejects_bad_files():
+    from genrec.infra.cli import UserFacingError
+
+    with pytest.raises(UserFacingError, match="missing"):
+        replay.prepare_events(pd.DataFrame({"user_id": [1], "item_id": [2]}))
+    with pytest.raises(UserFacingError, match="event_type"):
+        replay.prepare_events(
+            pd.DataFrame({"user_id": [1], "item_id": [2], "timestamp": [3], "event_type": ["like"]})
+        )
+
+
+def test_ml100k_replay_ids_match_the_store_fixture(ml100k_engine):
+    frame = replay.prepare_events(replay.ml100k_events(), event_id_prefix="ml-100k")
+    with ml100k_engine.connect() as connection:
+        stored = connection.execute(
+            select(events.c.event_id, events.c.ts_ms).order_by(events.c.id)
+        ).all()
+    assert list(frame["event_id"]) == [r.event_id for r in stored]
+    assert list(frame["ts_ms"]) == [r.ts_ms for r in stored]
+    messages = replay.event_messages(frame.head(1))
+    assert (
+        json.loads(messages[0][1])["event_type"] == "rate"
+        and messages[0][0] == frame["user_id"][0].encode()
+    )
+
+
+def test_item_rows_from_any_columns():
+    frame = pd.DataFrame({"item_id": [1, 2], "title": ["A", ""], "brand": ["x", None]})
+    assert replay.item_rows(frame) == [
+        {"item_id": "1", "title": "A", "genres": None, "year": None, "attributes": {"brand": "x"}},
+        {"item_id": "2", "title": None, "genres": None, "year": None, "attributes": None},
+    ]
+    assert replay.item_rows(pd.DataFrame({"item_id": ["a"]}))[0]["attributes"] is None
