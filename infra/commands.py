@@ -11,6 +11,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 STOPPED_EXIT_CODE = 3  # as LSB init scripts' `status`: "program is not running"
 
@@ -44,6 +45,15 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "--wait", type=float, default=30.0, help="seconds to wait for the cluster to answer"
     )
     create.set_defaults(handler=_topics_create)
+
+    demo = commands.add_parser(
+        "demo",
+        help="run the whole system on embedded defaults (what `make demo` runs)",
+        description="Local Kafka up, topics, replay MovieLens-100K, ingest until idle, "
+        "then print counts and throughput.",
+    )
+    demo.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    demo.set_defaults(handler=_demo)
 
 
 def _broker():
@@ -93,4 +103,12 @@ def _topics_create(args: argparse.Namespace) -> int:
             print(f"created {name} partitions={spec['num_partitions']}")
         else:
             print(f"exists {name}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from genrec.infra.demo import run_demo
+    from genrec.infra.settings import get_settings
+
+    run_demo(get_settings(), json_path=args.json)
     return 0
