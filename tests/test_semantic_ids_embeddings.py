@@ -1,0 +1,58 @@
+"""Item text rendering, the embedding cache and behavior embeddings (fast, no text model)."""
+
+import numpy as np
+from sqlalchemy import insert
+
+from genrec.infra.database import make_engine
+from genrec.offline.embeddings import (
+    EmbeddingCache,
+    behavior_vectors,
+    fit_behavior,
+    hash_vector,
+    render_item_text,
+)
+from genrec.schemas.tables import events
+
+TEMPLATE = "{title} ({year}). Genres: {genres}"
+
+
+def test_template_rendering_and_missing_text():
+    row = {"item_id": "1", "title": "Toy Story", "year": 1995, "genres": "Animation Comedy"}
+    assert render_item_text(row, TEMPLATE) == "Toy Story (1995). Genres: Animation Comedy"
+    assert (
+        render_item_text({**row, "year": None}, TEMPLATE) == "Toy Story . Genres: Animation Comedy"
+    )
+    # a bare year or id is not text
+    assert render_item_text({"item_id": "9", "year": 1990, "title": " "}, TEMPLATE) is None
+    custom = "{title} by {director}"
+    with_attributes = {"item_id": "2", "title": "Heat", "attributes": {"director": "Mann"}}
+    assert render_item_text(with_attributes, custom) == "Heat by Mann"
+    assert render_item_text({"item_id": "3", "attributes": {"director": "Lee"}}, custom) == "by Lee"
+
+
+def test_embedding_cache_is_keyed_by_model_and_text(tmp_path):
+    cache = EmbeddingCache(tmp_path, "model-a")
+    cache.vectors[cache.key("hello")] = np.ones(4, np.float32)
+    cache.save()
+    again = EmbeddingCache(tmp_path, "model-a")
+    assert np.array_equal(again.vectors[again.key("hello")], np.ones(4, np.float32))
+    assert again.key("hello") != EmbeddingCache(tmp_path, "model-b").key("hello")
+    assert not EmbeddingCache(tmp_path, "model-b").vectors  # another model: its own file
+
+
+def test_behavior_embeddings_fold_in_and_hash_fallback(tmp_path):
+    engine = make_engine(f"sqlite:///{tmp_path / 's.db'}")
+    rows = []
+    for user in range(30):  # two taste groups: items a* and b*
+        group = "a" if user < 15 else "b"
+        for item in range(4):
+            rows.append({"event_id": f"{user}-{item}", "user_id": f"u{user}", "item_id": f"{group}{item}",
+                         "event_type": "view", "ts_ms": user * 10 + item})  # fmt: skip
+    with engine.begin() as connection:
+        connection.execute(insert(events), rows)
+    model = fit_behavior(engine, dim=4, seed=0)
+    vectors = behavior_vectors(engine, model, ["a0", "a1", "b0", "missing"])
+    unit = vectors[:3] / np.linalg.norm(vectors[:3], axis=1, keepdims=True)
+    assert unit[0] @ unit[1] > 0.9 and unit[0] @ unit[2] < 0.5
+    assert not vectors[3].any()  # no interactions: the caller falls back to hash_vector
+    assert np.array_equal(hash_vector("x", 8), hash_vector("x", 8))
