@@ -108,6 +108,7 @@ class OnlineSettings(BaseModel):
     max_batch_users: int = Field(default=32, ge=1)
     max_poll_records: int = Field(default=500, ge=1)
     prefix_kv_lru_size: int = Field(default=2048, ge=0)  # prefix KVs kept in memory
+    prefix_kv_lru_mb: float = Field(default=2048.0, gt=0)  # ... and at most this much of them
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     k: int = Field(default=10, ge=1)  # items per list (merged and per branch)
     # Beams of the generative search: K plus room for items the user has already seen.
@@ -121,9 +122,14 @@ class OnlineSettings(BaseModel):
     draft: str | None = None  # draft variant; default: atspeed_s (strict) / atspeed_r (relaxed)
     version_poll_s: float = Field(default=5.0, gt=0)
     publish_timeout_s: float = Field(default=30.0, gt=0)
+    # How soon a crashed (kill -9) worker's partitions move to the others.
+    session_timeout_ms: int = Field(default=10_000, ge=1)
+    max_poll_interval_ms: int = Field(default=300_000, ge=1)  # longest time one batch may take
     metrics_port: int | None = 9102
     seed: int = 0
-    torch_threads: int = 2
+    # Scale out with one worker per core: decoding is many small ops, and on a busy host a
+    # second intra-op thread made a tiny model's requests 30-100x slower (measured).
+    torch_threads: int = 1
 
 
 class DecodeSettings(BaseModel):

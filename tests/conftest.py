@@ -125,3 +125,50 @@ def kafka_settings(kafka_broker):
     )
     create_topics(kafka)
     return kafka
+
+
+# --- online -----------------------------------------------------------------
+
+SERVING_USERS = 100  # ML-100K users (ids 1..100) in the small serving version
+
+
+def build_small_serving_version(home: Path, users: int = SERVING_USERS) -> None:
+    """A real serving version in ``home`` via ``run_refresh``: semantic IDs, a ``tiny``-preset
+    target and drafts, every user's prefix KV, plus fitted recall branches (about 30 s).
+
+    The catalog is stored without titles so the semantic IDs come from interaction
+    embeddings: the text encoder would double the build time and serving does not care.
+    """
+    from genrec.infra.settings import Settings
+    from genrec.offline.recall import fit_store_branches, save_branches
+    from genrec.offline.refresh import run_refresh
+
+    settings = Settings(
+        home=home,
+        semantic_ids={"epochs": 20, "codes_per_level": 16, "dedup_codes": 16,
+                      "hidden_dims": (64,), "latent_dim": 16, "kmeans_iters": 5},
+        model={"preset": "tiny", "history_items": 20, "agreement_users": 20,
+               "teacher_prompts": 16},
+        refresh={"retrain_target": True, "train_preset": "tiny", "kv_batch_size": 64},
+    )  # fmt: skip
+    engine = make_engine(settings.database_url)
+    dataset = load_ml100k()
+    kept = dataset.events[dataset.events.user_id.astype(int) <= users]
+    with engine.begin() as connection:
+        connection.execute(insert(items), [{"item_id": i} for i in sorted(set(kept.item_id))])
+        connection.execute(insert(events), [
+            {"event_id": f"ml-100k-{row.file_row}", "user_id": row.user_id, "item_id": row.item_id,
+             "event_type": "rate", "ts_ms": int(row.timestamp) * 1000, "value": float(row.rating)}
+            for row in kept.itertuples()
+        ])  # fmt: skip
+    run_refresh(settings, engine)
+    save_branches(fit_store_branches(settings, engine), settings.path("recall", "x").parent)
+    engine.dispose()  # checkpoints SQLite's WAL: the folder can be copied as it is
+
+
+@pytest.fixture(scope="session")
+def serving_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """GENREC_HOME of a small, real, active serving version (read-only: copy it to refresh)."""
+    home = tmp_path_factory.mktemp("serving-home")
+    build_small_serving_version(home)
+    return home

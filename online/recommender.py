@@ -1,0 +1,520 @@
+"""One micro-batch of requests -> one recommendation message per request (online step).
+
+For every request (a user's latest event in the batch) the recommender:
+
+1. reads the user's history from the behavior store (newest ``max_history_events``)
+   and adds the events in hand from Kafka that ingest has not stored yet
+   (deduplicated by ``event_id``), in time order;
+2. looks up the user's prefix KV (an in-memory LRU over the KV store) and splits
+   the history at its cutoff: events up to ``cutoff_event_row`` are in the cached
+   prefix, the rest is the real-time suffix. Users without a cache are decoded
+   from the whole prompt (BOS + their items);
+3. decodes the top items with the generative decoder (prefill the suffix onto
+   the prefix KV, speculative beam search over valid semantic IDs), dropping
+   items the user has already seen;
+4. asks every traditional branch (popularity, item-CF, ANN) for its list, merges
+   all lists, and builds the ``RecommendationMessage``.
+
+The decoder, KV store and branches come from a ``ServingBundle`` (see
+``genrec.online.serving_version``) so tests can inject small models and fakes.
+
+Example::
+
+    >>> from genrec.infra.database import make_engine
+    >>> from genrec.infra.settings import Settings
+    >>> from genrec.online.serving_version import ServingBundle
+    >>> recommender = Recommender(Settings(online={"k": 3}), make_engine("sqlite://"))
+    >>> event = UserEvent(event_id="e1", user_id="7", item_id="42", event_type="view", ts=1)
+    >>> [m.event_id for m in recommender.recommend([Request.of([event])], ServingBundle("empty"))]
+    ['e1']
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import Engine, select
+
+from genrec.infra import metrics
+from genrec.infra.settings import OnlineSettings, Settings
+from genrec.offline.merge import merge_lists
+from genrec.schemas.events import UserEvent
+from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
+from genrec.schemas.tables import events
+
+log = logging.getLogger(__name__)
+
+GENERATIVE = "generative"
+
+
+@dataclass(frozen=True)
+class Request:
+    """A user's latest event in a micro-batch, plus every event of theirs the batch covered."""
+
+    user_id: str
+    event: UserEvent
+    covered: tuple[UserEvent, ...]  # in Kafka (= produce) order, ``event`` last
+    received_at: float  # time.monotonic() when the worker first held one of these events
+
+    @classmethod
+    def of(cls, user_events: Sequence[UserEvent], received_at: float | None = None) -> Request:
+        if not user_events:
+            raise ValueError("a request needs at least one event")
+        if len({e.user_id for e in user_events}) != 1:
+            raise ValueError("a request's events must belong to one user")
+        at = received_at if received_at is not None else time.monotonic()
+        return cls(user_events[-1].user_id, user_events[-1], tuple(user_events), at)
+
+
+@dataclass(frozen=True)
+class HistoryEvent:
+    item_id: str
+    ts_ms: int
+    event_id: str
+    row: int | None  # events.id in the store; None for an event only held from Kafka
+
+
+@dataclass
+class GenerativeRequest:
+    """What the decoder needs for one user. ``prefix_kv`` None -> decode ``full_prompt``."""
+
+    user_id: str
+    full_prompt: list[int]  # BOS + the items of the history window
+    prefix_kv: Any | None = None
+    suffix_tokens: list[int] = field(default_factory=list)  # the items after the prefix's cutoff
+    exclude: list[int] = field(default_factory=list)  # item rows already seen
+
+
+@dataclass
+class GenerativeBatch:
+    """Per request the (item row, score) list, best first, and its decoding statistics."""
+
+    items: list[list[tuple[int, float]]]
+    stats: list[dict[str, Any]]  # per request: target_calls, acceptance_rate, mode ...
+
+
+class GenerativeDecoder(Protocol):
+    """Decodes a batch of users to their top items (seen items already removed)."""
+
+    item_tokens: Any  # genrec.offline.prompts.ItemTokens: item ids, rows and tokens
+    history_items: int  # the model's history window H
+
+    def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch: ...
+
+
+class PrefixKVCache:
+    """An LRU of loaded prefix KVs keyed by (kv version, user); misses are cached too.
+
+    Bounded by entries and by bytes: a SmolLM2-sized user prefix is ~9 MB, so a
+    count alone would not bound a worker's memory.
+    """
+
+    _MISS = object()
+
+    def __init__(self, size: int, max_bytes: int | None = None) -> None:
+        self.size, self.max_bytes = size, max_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
+
+    def get(self, kv_store: Any, kv_version: str, user_id: str, model_version: Any) -> tuple:
+        """``(entry, prefix_kv)`` or ``(None, None)``; loads from ``kv_store`` on a memory miss."""
+        key = (kv_version, user_id)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            metrics.PREFIX_KV_LOOKUPS.labels(result="memory").inc()
+            found = self._entries[key]
+            return (None, None) if found is self._MISS else found
+        entry = kv_store.lookup(kv_version, user_id)
+        found = self._MISS
+        if entry is not None:
+            try:
+                found = (entry, kv_store.load(entry, expected_model_version=model_version))
+            except Exception as exc:  # a stale or unreadable entry: serve without it
+                log.warning("prefix KV of user %s unusable: %s", user_id, exc)
+                metrics.ERRORS.labels(component="online", kind="prefix_kv_load").inc()
+        metrics.PREFIX_KV_LOOKUPS.labels(
+            result="store" if found is not self._MISS else "miss"
+        ).inc()
+        self._remember(key, found)
+        return (None, None) if found is self._MISS else found
+
+    def _remember(self, key: tuple[str, str], found: Any) -> None:
+        if self.size <= 0:
+            return
+        self._entries[key] = found
+        self.nbytes += _prefix_bytes(found)
+        while len(self._entries) > self.size or (
+            self.max_bytes is not None and self.nbytes > self.max_bytes and len(self._entries) > 1
+        ):
+            _key, evicted = self._entries.popitem(last=False)
+            self.nbytes -= _prefix_bytes(evicted)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _prefix_bytes(found: Any) -> int:
+    """Bytes of a cached ``(entry, PrefixKV)`` (0 for a miss or a fake without tensors)."""
+    prefix_kv = found[1] if isinstance(found, tuple) else None
+    tensors = [*getattr(prefix_kv, "keys", []), *getattr(prefix_kv, "values", [])]
+    return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
+
+
+MergeFn = Callable[[Mapping[str, Sequence[tuple[str, float]]], int], list[ScoredItem]]
+
+
+class Recommender:
+    """Turns micro-batches of requests into messages with the models of a ``ServingBundle``."""
+
+    def __init__(self, settings: Settings, engine: Engine, merge_fn: MergeFn | None = None) -> None:
+        self.settings = settings.online
+        self.recall = settings.recall
+        self.engine = engine
+        self.merge_fn = merge_fn or (lambda lists, k: merge_branches(lists, k, settings.recall))
+        self.prefix_kvs = PrefixKVCache(
+            self.settings.prefix_kv_lru_size, int(self.settings.prefix_kv_lru_mb * 2**20)
+        )
+        self._bundle_key: str | None = None
+
+    def recommend(self, requests: Sequence[Request], bundle) -> list[RecommendationMessage]:
+        """One message per request, in request order."""
+        if bundle.key != self._bundle_key:  # a new version: cached prefixes belong to the old one
+            self.prefix_kvs.clear()
+            self._bundle_key = bundle.key
+        started = time.perf_counter()
+        histories = self._histories(requests)
+        metrics.STAGE_LATENCY.labels(stage="history").observe(time.perf_counter() - started)
+        generative, decoding = self._generative(requests, histories, bundle)
+        lists = self._branches(requests, histories, bundle)
+        messages = []
+        for i, request in enumerate(requests):
+            branch_lists = {name: rows[i] for name, rows in lists.items()}
+            if generative is not None:
+                branch_lists = {GENERATIVE: generative[i], **branch_lists}
+            messages.append(self._message(request, branch_lists, decoding[i], bundle))
+        return messages
+
+    # --- 1. history --------------------------------------------------------------
+
+    def _histories(self, requests: Sequence[Request]) -> list[list[HistoryEvent]]:
+        """Store history + events in hand (deduplicated by event_id), in time order."""
+        stored = read_store_histories(
+            self.engine, [r.user_id for r in requests], self.settings.max_history_events
+        )
+        histories = []
+        for request in requests:
+            history = list(stored.get(request.user_id, []))
+            known = {e.event_id for e in history}
+            extra = [e for e in request.covered if e.event_id not in known]
+            history.extend(HistoryEvent(e.item_id, e.ts, e.event_id, None) for e in extra)
+            # Stable: store rows keep their (ts, id) order, new events follow in Kafka order.
+            histories.append(sorted(history, key=lambda e: e.ts_ms))
+        return histories
+
+    # --- 2 + 3. prefix KV and generative decoding --------------------------------------
+
+    def _generative(self, requests, histories, bundle) -> tuple[list | None, list[dict]]:
+        decoding: list[dict[str, Any]] = [{} for _ in requests]
+        decoder = bundle.decoder
+        if decoder is None:
+            for stats in decoding:
+                stats["path"] = "no_generative"
+            return None, decoding
+        started = time.perf_counter()
+        gen_requests = [
+            self._generative_request(r, h, bundle, stats)
+            for r, h, stats in zip(requests, histories, decoding, strict=True)
+        ]
+        metrics.STAGE_LATENCY.labels(stage="prefix_kv").observe(time.perf_counter() - started)
+        started = time.perf_counter()
+        beam_width = self.settings.beam_width or 2 * self.settings.k
+        try:
+            batch = decoder.decode(gen_requests, beam_width)
+        except Exception:
+            log.exception(
+                "generative decoding failed for %d users; serving branches only", len(requests)
+            )
+            metrics.ERRORS.labels(component="online", kind="generative").inc()
+            metrics.FALLBACKS.labels(reason="generative_error").inc(len(requests))
+            for stats in decoding:
+                stats["path"] = "no_generative"
+                stats["fallback"] = "generative_error"
+            return [[] for _ in requests], decoding
+        metrics.STAGE_LATENCY.labels(stage="generative").observe(time.perf_counter() - started)
+        item_ids = decoder.item_tokens.item_ids
+        lists = [
+            [(item_ids[row], score) for row, score in items[: self.settings.k]]
+            for items in batch.items
+        ]
+        for stats, request_stats in zip(decoding, batch.stats, strict=True):
+            stats.update(request_stats)
+            _observe_decoding(stats)
+        return lists, decoding
+
+    def _generative_request(self, request, history, bundle, stats) -> GenerativeRequest:
+        item_tokens = bundle.decoder.item_tokens
+        window = bundle.decoder.history_items
+        seen = sorted({item_tokens.index[e.item_id] for e in history if e.item_id in item_tokens})
+        full_prompt = [item_tokens.layout.bos_token_id]
+        for event in _known(history, item_tokens)[-window:]:
+            full_prompt.extend(item_tokens.tokens_of(event.item_id))
+        gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
+        entry, prefix_kv = (None, None)
+        if bundle.kv_store is not None and bundle.kv_version is not None:
+            entry, prefix_kv = self.prefix_kvs.get(
+                bundle.kv_store, bundle.kv_version, request.user_id, bundle.model_version
+            )
+        if prefix_kv is None:
+            stats["path"] = "full_prompt"
+            stats["prompt_tokens"] = len(full_prompt)
+            metrics.FALLBACKS.labels(reason="no_prefix_kv").inc()
+            return gen
+        cutoff = entry.cutoff_event_row
+        suffix = [e for e in history if e.row is None or e.row > cutoff]
+        gen.prefix_kv = prefix_kv
+        for event in _known(suffix, item_tokens)[-window:]:
+            gen.suffix_tokens.extend(item_tokens.tokens_of(event.item_id))
+        stats["path"] = "prefix_kv"
+        stats["suffix_tokens"] = len(gen.suffix_tokens)
+        stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
+        return gen
+
+    # --- 4. branches and merge ----------------------------------------------------------
+
+    def _branches(self, requests, histories, bundle) -> dict[str, list[list[tuple[str, float]]]]:
+        started = time.perf_counter()
+        items = [[e.item_id for e in h] for h in histories]
+        timestamps = [[e.ts_ms for e in h] for h in histories]
+        excludes = [set(h) for h in items]
+        depth = max(self.settings.k, self.recall.merge_depth)  # merged lists need some depth
+        lists: dict[str, list[list[tuple[str, float]]]] = {}
+        for name, branch in bundle.branches.items():
+            try:
+                lists[name] = branch.recommend_batch(items, depth, excludes, timestamps)
+            except Exception:
+                log.exception("branch %s failed; its list is empty for this batch", name)
+                metrics.ERRORS.labels(component="online", kind=f"branch_{name}").inc()
+                metrics.FALLBACKS.labels(reason="branch_error").inc(len(requests))
+                lists[name] = [[] for _ in requests]
+        metrics.STAGE_LATENCY.labels(stage="branches").observe(time.perf_counter() - started)
+        return lists
+
+    def _message(self, request, branch_lists, decoding, bundle) -> RecommendationMessage:
+        k = self.settings.k
+        codes = _generative_codes(branch_lists.get(GENERATIVE, [])[:k], bundle)
+        branches = {
+            name: [
+                ScoredItem(item_id=i, score=float(s), rank=r, semantic_id=codes.get(i))
+                if name == GENERATIVE
+                else ScoredItem(item_id=i, score=float(s), rank=r)
+                for r, (i, s) in enumerate(rows[:k])
+            ]
+            for name, rows in branch_lists.items()
+        }
+        merged = [
+            item.model_copy(update={"semantic_id": codes[item.item_id]})
+            if item.branch == GENERATIVE and item.item_id in codes
+            else item
+            for item in self.merge_fn(branch_lists, k)
+        ]
+        # Which serving version answered: the model version alone does not change when a
+        # refresh only recomputes the prefix KV.
+        decoding = {**decoding, "serving_version": bundle.key, "kv_version": bundle.kv_version}
+        return RecommendationMessage(
+            request_id=request.event.event_id,  # at-least-once: consumers dedupe on it
+            user_id=request.user_id,
+            event_id=request.event.event_id,
+            covered_event_ids=[e.event_id for e in request.covered],
+            items=merged,
+            branches=branches,
+            model_version=_text(bundle.model_version),
+            semantic_id_version=_text(bundle.semantic_id_version),
+            decoding=decoding,
+            latency_ms=(time.monotonic() - request.received_at) * 1000.0,
+        )
+
+
+def _generative_codes(rows: Sequence[tuple[str, float]], bundle) -> dict[str, list[int]]:
+    """Semantic ID (codes per level) of each generative item, from the model's own mapping."""
+    if not rows or bundle.decoder is None:
+        return {}
+    item_tokens = bundle.decoder.item_tokens
+    tokens = [item_tokens.tokens_of(item_id) for item_id, _score in rows]
+    return dict(zip((i for i, _ in rows), item_tokens.layout.decode(tokens), strict=True))
+
+
+def read_store_histories(
+    engine: Engine, user_ids: Sequence[str], max_events: int
+) -> dict[str, list[HistoryEvent]]:
+    """Each user's newest ``max_events`` stored events, oldest first (ts, then insertion order)."""
+    if not user_ids:
+        return {}
+    query = (
+        select(events.c.id, events.c.user_id, events.c.item_id, events.c.ts_ms, events.c.event_id)
+        .where(events.c.user_id.in_(sorted(set(user_ids))))
+        .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
+    )
+    histories: dict[str, list[HistoryEvent]] = {}
+    with engine.connect() as connection:
+        for row_id, user_id, item_id, ts_ms, event_id in connection.execute(query):
+            histories.setdefault(user_id, []).append(HistoryEvent(item_id, ts_ms, event_id, row_id))
+    return {user: rows[-max_events:] for user, rows in histories.items()}
+
+
+def merge_branches(
+    lists: Mapping[str, Sequence[tuple[str, float]]], k: int, recall
+) -> list[ScoredItem]:
+    """The merged list (``genrec.offline.merge`` with ``recall.merge_*``), each item credited
+    to the branch that ranked it best."""
+    merged = merge_lists(
+        lists, k, recall.merge_method, recall.merge_weights, recall.merge_quotas or None,
+        recall.merge_rrf_k,
+    )  # fmt: skip
+    best: dict[str, tuple[int, str]] = {}
+    for name, rows in lists.items():
+        for rank, (item_id, _score) in enumerate(rows):
+            if rank < best.get(item_id, (rank + 1, ""))[0]:
+                best[item_id] = (rank, name)
+    return [
+        ScoredItem(item_id=item_id, score=float(score), rank=rank, branch=best[item_id][1])
+        for rank, (item_id, score) in enumerate(merged)
+    ]
+
+
+def _known(history: Sequence[HistoryEvent], item_tokens) -> list[HistoryEvent]:
+    """Events whose item has a semantic ID (new items wait for the next refresh)."""
+    return [e for e in history if e.item_id in item_tokens]
+
+
+def _observe_decoding(stats: Mapping[str, Any]) -> None:
+    if stats.get("target_calls") is not None:
+        metrics.TARGET_CALLS.observe(stats["target_calls"])
+    if stats.get("acceptance_rate") is not None:
+        metrics.ACCEPTANCE_RATE.observe(stats["acceptance_rate"])
+    if stats.get("fallback") == "target_only":
+        metrics.FALLBACKS.labels(reason="target_only").inc()
+
+
+def _text(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+# --- the production decoder ------------------------------------------------------------------
+
+
+class ModelDecoder:
+    """``GenerativeDecoder`` over an active model version (``GenerativeModels``).
+
+    Users with a prefix KV are decoded as one ``PrefixBatch``: the target prefills
+    only the suffix onto the cached prefix (the draft, cheap, reads the full
+    prompt); the others from their full prompts. ``online.mode``: ``strict`` or
+    ``relaxed`` speculative beam search with the aligned draft, or ``target``.
+    An ``AcceptanceMonitor`` switches to target-only while the draft's acceptance
+    rate is below ``online.min_acceptance_rate``.
+    """
+
+    def __init__(self, models, settings: OnlineSettings) -> None:
+        import torch
+
+        from genrec.online.speculative import AcceptanceMonitor
+        from genrec.online.trie import ItemTrie
+
+        self.models, self.settings = models, settings
+        self.item_tokens = models.item_tokens
+        self.history_items = models.history_items
+        self.layout = models.layout
+        self.device = torch.device(getattr(models, "device", "cpu"))
+        table = torch.as_tensor(self.item_tokens.table, device=self.device)
+        self.trie = ItemTrie(table, self.layout)
+        self.draft = _pick_draft(models.drafts, settings)
+        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
+
+    def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch:
+        from genrec.online.prefix_kv import PrefixBatch
+
+        items: list[list[tuple[int, float]]] = [[] for _ in requests]
+        stats: list[dict[str, Any]] = [{} for _ in requests]
+        with_prefix = [i for i, r in enumerate(requests) if r.prefix_kv is not None]
+        without = [i for i, r in enumerate(requests) if r.prefix_kv is None]
+        if with_prefix:
+            target_batch = PrefixBatch(
+                [requests[i].prefix_kv for i in with_prefix],
+                [requests[i].suffix_tokens for i in with_prefix],
+            )
+            # The draft must read exactly the target's tokens (cached prompt + suffix; the
+            # positions of both trees must agree), which can be longer than ``full_prompt``.
+            draft_prompts = [
+                requests[i].prefix_kv.prompt_ids + list(requests[i].suffix_tokens)
+                for i in with_prefix
+            ]
+            result = self._search(target_batch, draft_prompts, beam_width)
+            self._collect(result, with_prefix, requests, beam_width, items, stats)
+        if without:
+            prompts = [requests[i].full_prompt for i in without]
+            result = self._search(prompts, prompts, beam_width)
+            self._collect(result, without, requests, beam_width, items, stats)
+        return GenerativeBatch(items, stats)
+
+    def _search(self, target_prompts, draft_prompts, beam_width: int):
+        if self.draft is None:
+            from genrec.online.beam_search import beam_search
+
+            return beam_search(
+                self.models.target, target_prompts, self.trie, self.layout, beam_width
+            )
+        from genrec.online.speculative import speculative_beam_search
+
+        if target_prompts is not draft_prompts:
+            target_prompts = (target_prompts, draft_prompts)
+        return speculative_beam_search(
+            self.models.target, self.draft, target_prompts, self.trie, self.layout,
+            k=beam_width, n_draft=max(self.settings.draft_beams, beam_width),
+            gamma=self.settings.gamma, mode=self.settings.mode, generator=self.generator,
+            monitor=self.monitor,
+        )  # fmt: skip
+
+    def _collect(self, result, rows, requests, beam_width, items, stats) -> None:
+        for position, i in enumerate(rows):
+            seen = set(requests[i].exclude)
+            found = zip(
+                result.item_index[position].tolist(), result.scores[position].tolist(), strict=True
+            )
+            items[i] = [(row, score) for row, score in found if row >= 0 and row not in seen]
+            stats[i] = self._stats(result.stats[position] if result.stats else None, beam_width)
+
+    def _stats(self, decode_stats, beam_width: int) -> dict[str, Any]:
+        speculative = bool(getattr(decode_stats, "speculative", False))
+        stats: dict[str, Any] = {
+            "mode": self.settings.mode if speculative else "target",
+            "beam_width": beam_width,
+        }
+        if self.settings.mode != "target" and not speculative:
+            stats["fallback"] = "target_only"
+        if decode_stats is not None:
+            for key in ("target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps"):
+                stats[key] = int(getattr(decode_stats, key, 0))
+            if decode_stats.drafted_steps:
+                stats["acceptance_rate"] = decode_stats.accepted_steps / decode_stats.drafted_steps
+        return stats
+
+
+def _pick_draft(drafts: Mapping[str, Any], settings: OnlineSettings):
+    if settings.mode == "target" or not drafts:
+        return None
+    if settings.draft is not None:
+        if settings.draft not in drafts:
+            raise ValueError(f"draft {settings.draft!r} not in this version ({sorted(drafts)})")
+        return drafts[settings.draft]
+    preferred = ("atspeed_s", "sft") if settings.mode == "strict" else ("atspeed_r", "sft")
+    name = next(n for n in (*preferred, *sorted(drafts)) if n in drafts)
+    return drafts[name]

@@ -1,0 +1,96 @@
+"""The production decoder adapter (ModelDecoder) on tiny random models: prefix KV == full prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from genrec.infra.settings import OnlineSettings
+from genrec.offline.generative import GenerativeModels
+from genrec.offline.models import build_draft, build_target, get_preset
+from genrec.offline.prompts import ItemTokens, history_prompt
+from genrec.online.prefix_kv import compute_prefix_kv
+from genrec.online.recommender import GenerativeRequest, ModelDecoder
+from genrec.schemas.token_layout import TokenLayout
+
+
+@pytest.fixture(scope="module")
+def models() -> GenerativeModels:
+    torch.manual_seed(0)
+    layout = TokenLayout.for_scratch_model((8, 8, 4))
+    rng = np.random.default_rng(0)
+    codes = {tuple(c) for c in rng.integers(0, [8, 8, 4], size=(200, 3)).tolist()}
+    codes = sorted(codes)[:120]
+    item_tokens = ItemTokens([f"i{n}" for n in range(len(codes))], np.array(codes), layout)
+    preset = get_preset("tiny")
+    target, draft = build_target(preset, layout).eval(), build_draft(preset, layout).eval()
+    return GenerativeModels(
+        target, {"atspeed_s": draft}, item_tokens, history_items=50, preset="tiny"
+    )
+
+
+def requests(models, histories, cached: bool, suffix_items: int = 2) -> list[GenerativeRequest]:
+    out = []
+    for history in histories:
+        full = history_prompt(history, models.item_tokens, 50)
+        seen = [models.item_tokens.index[i] for i in history]
+        request = GenerativeRequest("u", full, exclude=seen)
+        if cached:
+            prefix = history_prompt(history[:-suffix_items], models.item_tokens, 50)
+            request.prefix_kv = compute_prefix_kv(models.target, [prefix], "m")[0]
+            request.suffix_tokens = full[len(prefix) :]
+        out.append(request)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["target", "strict"])
+def test_prefix_kv_path_gives_the_full_prompt_items(models, mode) -> None:
+    histories = [
+        [f"i{n}" for n in range(s, s + length)] for s, length in ((0, 6), (10, 9), (30, 4))
+    ]
+    decoder = ModelDecoder(models, OnlineSettings(mode=mode, draft_beams=16))
+    full = decoder.decode(requests(models, histories, cached=False), beam_width=8)
+    cached = decoder.decode(requests(models, histories, cached=True), beam_width=8)
+    for a, b, history in zip(full.items, cached.items, histories, strict=True):
+        assert [row for row, _ in a] == [row for row, _ in b]
+        assert np.allclose([s for _, s in a], [s for _, s in b], atol=1e-4)
+        assert a and not {models.item_tokens.index[i] for i in history} & {row for row, _ in a}
+    assert all(s["target_calls"] >= 1 for s in cached.stats)
+    if mode == "strict":
+        assert all(s["mode"] == "strict" and "acceptance_rate" in s for s in cached.stats)
+    else:
+        assert all(s["mode"] == "target" for s in cached.stats)
+
+
+def test_mixed_batch_of_cached_and_new_users(models) -> None:
+    histories = [["i1", "i2", "i3"], ["i5"], ["i7", "i8", "i9", "i10"]]
+    decoder = ModelDecoder(models, OnlineSettings(mode="strict", draft_beams=16))
+    mixed = requests(models, histories, cached=False)
+    mixed[2] = requests(models, [histories[2]], cached=True)[0]
+    alone = decoder.decode(requests(models, histories, cached=False), beam_width=6)
+    result = decoder.decode(mixed, beam_width=6)
+    assert [[r for r, _ in row] for row in result.items] == [
+        [r for r, _ in row] for row in alone.items
+    ]
+
+
+def test_cached_prompt_plus_suffix_longer_than_the_window(models) -> None:
+    """Serving: the cache holds the last H items up to the refresh, the suffix adds newer ones,
+    so the target reads more than the H-item ``full_prompt``; the draft must read the same."""
+    history = [f"i{n}" for n in range(20, 30)]
+    prefix = history_prompt(history[:8], models.item_tokens, 6)
+    suffix = sum((models.item_tokens.tokens_of(i) for i in history[8:]), [])
+    full = history_prompt(history, models.item_tokens, 6)
+    seen = [models.item_tokens.index[i] for i in history]
+    prefix_kv = compute_prefix_kv(models.target, [prefix], "m")[0]
+    request = GenerativeRequest("u", full, prefix_kv, suffix, seen)
+    reference = GenerativeRequest("u", prefix + suffix, exclude=seen)
+    assert len(prefix + suffix) > len(full)
+    target_only = ModelDecoder(models, OnlineSettings(mode="target"))
+    expected = target_only.decode([reference], beam_width=8).items[0]
+    for mode in ("strict", "target"):
+        decoder = ModelDecoder(models, OnlineSettings(mode=mode, draft_beams=16))
+        got = decoder.decode([request], beam_width=8)
+        assert [r for r, _ in got.items[0]] == [r for r, _ in expected]
+        assert got.stats[0]["mode"] == mode

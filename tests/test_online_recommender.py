@@ -1,0 +1,248 @@
+"""The online recommender (online/recommender.py) and version switching, with fakes for the models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import insert
+
+from genrec.infra.database import make_engine
+from genrec.infra.settings import RecallSettings, Settings
+from genrec.offline.prompts import ItemTokens
+from genrec.offline.recall import PopularityBranch
+from genrec.online.recommender import (
+    GenerativeBatch,
+    PrefixKVCache,
+    Recommender,
+    Request,
+    merge_branches,
+)
+from genrec.online.serving_version import ServingBundle, ServingVersions
+from genrec.schemas.events import UserEvent
+from genrec.schemas.tables import events
+from genrec.schemas.token_layout import TokenLayout
+
+ITEMS = [str(i) for i in range(1, 9)]
+
+
+def item_tokens() -> ItemTokens:
+    layout = TokenLayout.for_scratch_model((4, 4))
+    codes = np.array([[i // 4, i % 4] for i in range(len(ITEMS))])
+    return ItemTokens(ITEMS, codes, layout)
+
+
+class FakeDecoder:
+    """Ranks items by catalog order, seen items removed; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.item_tokens = item_tokens()
+        self.history_items = 50
+        self.calls: list = []
+
+    def decode(self, requests, beam_width):
+        self.calls.append(list(requests))
+        items = []
+        for request in requests:
+            rows = [r for r in range(len(ITEMS)) if r not in set(request.exclude)]
+            items.append([(r, -float(n)) for n, r in enumerate(rows[:beam_width])])
+        stats = [{"mode": "strict", "target_calls": 2, "acceptance_rate": 0.75} for _ in items]
+        return GenerativeBatch(items, stats)
+
+
+@dataclass
+class Entry:
+    cutoff_event_row: int
+    cutoff_ts_ms: int
+    cutoff_event_id: str
+
+
+class FakeKVStore:
+    def __init__(self, entries: dict[str, Entry]) -> None:
+        self.entries, self.lookups, self.loads = entries, 0, 0
+
+    def lookup(self, kv_version, user_id):
+        self.lookups += 1
+        return self.entries.get(user_id)
+
+    def load(self, entry, expected_model_version):
+        self.loads += 1
+        return f"prefix-kv@{entry.cutoff_event_row}"
+
+
+def event(event_id: str, user_id: str, item_id: str, ts: int) -> UserEvent:
+    return UserEvent(event_id=event_id, user_id=user_id, item_id=item_id, event_type="view", ts=ts)
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
+    rows = [  # user 7: items 1, 2, 3 stored (ids 1..3); user 8: item 5 (id 4)
+        ("s1", "7", "1", 1000), ("s2", "7", "2", 2000), ("s3", "7", "3", 3000), ("s4", "8", "5", 500),
+    ]  # fmt: skip
+    with engine.begin() as connection:
+        connection.execute(
+            insert(events),
+            [
+                {"event_id": e, "user_id": u, "item_id": i, "event_type": "view", "ts_ms": t}
+                for e, u, i, t in rows
+            ],
+        )
+    return engine
+
+
+def bundle(decoder=None, kv_store=None, key="v1") -> ServingBundle:
+    popularity = PopularityBranch.fit(
+        {"a": ["8", "7", "8"], "b": ["8", "6"]}, item_ids=ITEMS, half_life_days=None
+    )
+    return ServingBundle(
+        key, decoder=decoder, kv_store=kv_store, kv_version="kv1" if kv_store else None,
+        branches={"popularity": popularity}, model_version="m1", semantic_id_version="s1",
+    )  # fmt: skip
+
+
+def test_cached_user_gets_suffix_after_cutoff_plus_events_in_hand(store) -> None:
+    decoder = FakeDecoder()
+    kv_store = FakeKVStore(
+        {"7": Entry(cutoff_event_row=2, cutoff_ts_ms=2000, cutoff_event_id="s2")}
+    )
+    recommender = Recommender(Settings(online={"k": 3}), store)
+    # s3 is stored already and also redelivered from Kafka: it must count once
+    request = Request.of([event("s3", "7", "3", 3000), event("k1", "7", "4", 4000)])
+    [message] = recommender.recommend([request], bundle(decoder, kv_store))
+
+    [[gen]] = decoder.calls
+    tokens = decoder.item_tokens
+    assert gen.prefix_kv == "prefix-kv@2"
+    assert gen.suffix_tokens == tokens.tokens_of("3") + tokens.tokens_of("4")
+    assert gen.full_prompt == [1] + sum((tokens.tokens_of(i) for i in "1234"), [])
+    assert sorted(gen.exclude) == [0, 1, 2, 3]
+    assert message.event_id == "k1" and message.request_id == "k1"
+    assert message.covered_event_ids == ["s3", "k1"]
+    assert message.decoding["path"] == "prefix_kv"
+    assert [i.item_id for i in message.branches["generative"]] == ["5", "6", "7"]
+    assert [i.item_id for i in message.branches["popularity"]] == ["8", "6", "7"]
+    seen = {"1", "2", "3", "4"}
+    assert not seen & {i.item_id for i in message.items}
+    assert len(message.items) == 3 and all(i.branch for i in message.items)
+    assert message.model_version == "m1" and message.semantic_id_version == "s1"
+
+
+def test_new_user_is_served_from_the_suffix_alone(store) -> None:
+    decoder = FakeDecoder()
+    recommender = Recommender(Settings(online={"k": 4}), store)
+    request = Request.of([event("n1", "new", "2", 10), event("n2", "new", "6", 20)])
+    [message] = recommender.recommend([request], bundle(decoder, FakeKVStore({})))
+    [[gen]] = decoder.calls
+    tokens = decoder.item_tokens
+    assert gen.prefix_kv is None
+    assert gen.full_prompt == [tokens.layout.bos_token_id] + tokens.tokens_of(
+        "2"
+    ) + tokens.tokens_of("6")
+    assert message.decoding["path"] == "full_prompt"
+    items = [i.item_id for i in message.branches["generative"]]
+    assert len(items) == 4 and not {"2", "6"} & set(items) and set(items) <= set(ITEMS)
+
+
+def test_unknown_items_are_left_out_of_the_prompt(store) -> None:
+    decoder = FakeDecoder()
+    request = Request.of([event("x1", "9", "brand-new-item", 10)])
+    [message] = Recommender(Settings(online={"k": 2}), store).recommend([request], bundle(decoder))
+    assert decoder.calls[0][0].full_prompt == [1]
+    assert len(message.branches["generative"]) == 2
+
+
+def test_decoder_failure_falls_back_to_branches(store) -> None:
+    class Broken(FakeDecoder):
+        def decode(self, requests, beam_width):
+            raise RuntimeError("boom")
+
+    request = Request.of([event("x1", "8", "1", 10)])
+    [message] = Recommender(Settings(online={"k": 2}), store).recommend([request], bundle(Broken()))
+    assert message.decoding["fallback"] == "generative_error"
+    assert message.branches["generative"] == []
+    assert [i.item_id for i in message.items] == ["8", "6"]
+
+
+def test_prefix_kv_lru_caches_hits_and_misses_and_evicts() -> None:
+    kv_store = FakeKVStore({"a": Entry(1, 1, "e"), "b": Entry(2, 2, "f")})
+    cache = PrefixKVCache(size=2)
+    assert cache.get(kv_store, "kv1", "a", "m")[1] == "prefix-kv@1"
+    assert cache.get(kv_store, "kv1", "a", "m")[1] == "prefix-kv@1"
+    assert cache.get(kv_store, "kv1", "zz", "m") == (None, None)
+    assert cache.get(kv_store, "kv1", "zz", "m") == (None, None)
+    assert kv_store.lookups == 2 and kv_store.loads == 1
+    cache.get(kv_store, "kv1", "b", "m")  # evicts "a", the least recently used
+    cache.get(kv_store, "kv1", "a", "m")
+    assert kv_store.lookups == 4 and len(cache) == 2
+
+
+def test_new_bundle_clears_the_prefix_cache(store) -> None:
+    kv_store = FakeKVStore({"7": Entry(3, 3000, "s3")})
+    recommender = Recommender(Settings(online={"k": 2}), store)
+    request = Request.of([event("k9", "7", "5", 9000)])
+    recommender.recommend([request], bundle(FakeDecoder(), kv_store, key="v1"))
+    recommender.recommend([request], bundle(FakeDecoder(), kv_store, key="v1"))
+    assert kv_store.lookups == 1
+    recommender.recommend([request], bundle(FakeDecoder(), kv_store, key="v2"))
+    assert kv_store.lookups == 2
+
+
+def test_merge_credits_each_item_to_its_best_branch() -> None:
+    merged = merge_branches(
+        {"generative": [("x", 1.0), ("y", 0.5)], "popularity": [("y", 9.0), ("z", 1.0)]},
+        k=3, recall=RecallSettings(merge_weights={}),
+    )  # fmt: skip
+    assert [(i.item_id, i.branch, i.rank) for i in merged] == [
+        ("y", "popularity", 0), ("x", "generative", 1), ("z", "popularity", 2),
+    ]  # fmt: skip
+
+
+def test_versions_swap_between_batches_and_survive_a_failed_load() -> None:
+    active = {"key": "v1"}
+    loads = []
+
+    def load(key):
+        loads.append(key)
+        if key == "bad":
+            raise RuntimeError("half-written version")
+        return ServingBundle(key)
+
+    versions = ServingVersions(lambda: active["key"], load).start(background=False)
+    assert versions.current().key == "v1" and not versions.check_now()
+    active["key"] = "v2"
+    assert versions.check_now()
+    assert versions.current().key == "v2"
+    active["key"] = "bad"
+    assert not versions.check_now() and not versions.check_now()
+    assert versions.current().key == "v2" and loads == ["v1", "v2", "bad"]
+
+
+def test_nothing_active_serves_an_empty_bundle() -> None:
+    versions = ServingVersions(lambda: None, lambda key: ServingBundle(key)).start(background=False)
+    assert versions.current().key == "none" and versions.current().decoder is None
+
+
+def test_prefix_kv_lru_is_bounded_by_bytes() -> None:
+    import torch
+
+    from genrec.online.prefix_kv import PrefixKV
+
+    class TensorKVStore(FakeKVStore):
+        def load(self, entry, expected_model_version):
+            self.loads += 1
+            keys = [torch.zeros(2, 100, 8)]  # 12,800 bytes with the values
+            return PrefixKV([1] * 101, keys, [torch.zeros(2, 100, 8)], "m")
+
+    entries = {u: Entry(1, 1, "e") for u in "abc"}
+    kv_store = TensorKVStore(entries)
+    cache = PrefixKVCache(size=10, max_bytes=30_000)
+    for user in "abc":
+        cache.get(kv_store, "kv1", user, "m")
+    assert len(cache) == 2 and cache.nbytes == 25_600  # "a" went to stay under 30,000 bytes
+    cache.get(kv_store, "kv1", "a", "m")
+    assert kv_store.loads == 4
+    cache.clear()
+    assert cache.nbytes == 0 and len(cache) == 0

@@ -1,0 +1,460 @@
+"""`genrec serve` as a real subprocess on the real Kafka broker, serving a real refreshed version.
+
+The serving version (conftest ``serving_home``) is built once per run by ``run_refresh``
+with the ``tiny`` preset on ML-100K users 1..100. Each test starts ``genrec serve``
+with ``GENREC_*`` variables pointing at the test broker, its own topics and consumer
+group, and that home.
+
+Delivery contract asserted here: without a crash every event is answered by exactly
+one message (as the triggering event, ``request_id`` = ``event_id``, or in its
+``covered_event_ids``); after kill -9 it is at-least-once: every event is answered,
+and a repeated answer carries the same ``request_id``, which consumers dedupe on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import SERVING_USERS
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.structs import TopicPartition
+from sqlalchemy import insert, select
+
+from genrec.infra.database import make_engine
+from genrec.infra.kafka_broker import pick_free_ports
+from genrec.infra.serving_versions import active_serving_version
+from genrec.infra.settings import KafkaSettings, Settings
+from genrec.infra.topics import create_topics
+from genrec.schemas.events import UserEvent
+from genrec.schemas.recommendations import RecommendationMessage
+from genrec.schemas.tables import events, items
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
+
+GENREC = Path(sys.executable).parent / "genrec"
+CACHED_USERS = [str(u) for u in range(1, SERVING_USERS + 1)]  # every one has a prefix KV
+
+
+# --- helpers: the worker process, events in, recommendations out ----------------------
+
+
+class Worker:
+    """One `genrec serve` subprocess; its log goes to ``log_path``."""
+
+    def __init__(self, home: Path, kafka: KafkaSettings, group: str, log_path: Path) -> None:
+        self.port = pick_free_ports(1)[0]
+        self.log_path = log_path
+        env = {
+            **os.environ,
+            "GENREC_HOME": str(home),
+            "GENREC_KAFKA__BOOTSTRAP": kafka.bootstrap,
+            "GENREC_KAFKA__TOPIC_EVENTS": kafka.topic_events,
+            "GENREC_KAFKA__TOPIC_RECOMMENDATIONS": kafka.topic_recommendations,
+            "GENREC_ONLINE__GROUP_ID": group,
+            "GENREC_ONLINE__AUTO_OFFSET_RESET": "earliest",
+            "GENREC_ONLINE__VERSION_POLL_S": "0.5",
+            "GENREC_ONLINE__SESSION_TIMEOUT_MS": "6000",  # the broker's minimum
+            "GENREC_ONLINE__MAX_BATCH_USERS": "16",
+            "GENREC_ONLINE__TORCH_THREADS": "1",
+        }
+        with log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [str(GENREC), "serve", "--metrics-port", str(self.port)],
+                env=env, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def wait_healthy(self, timeout: float = 120.0) -> dict:
+        def healthy() -> bool:
+            assert self.process.poll() is None, f"worker exited early:\n{self.log()}"
+            with contextlib.suppress(OSError):
+                return self.get("/healthz")[0] == 200
+            return False
+
+        wait_for(healthy, timeout, "the worker's /healthz")
+        return json.loads(self.get("/healthz")[1])
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        return self.process.wait(timeout=timeout)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+class Events:
+    """Produces events (keyed by user) and remembers each one's partition and offset."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.topic = kafka.topic_events
+        self.producer = KafkaProducer(bootstrap_servers=kafka.bootstrap, acks="all", linger_ms=5)
+        self.sent: dict[str, UserEvent] = {}
+        self.offsets: dict[str, tuple[int, int]] = {}  # event_id -> (partition, offset)
+        self.prefix = uuid.uuid4().hex[:8]
+        self._counter = itertools.count()
+
+    def send(self, user_id: str, item_id: str = "50") -> UserEvent:
+        event = UserEvent(
+            event_id=f"{self.prefix}-{next(self._counter)}", user_id=user_id, item_id=item_id,
+            event_type="view", ts=int(time.time() * 1000),
+        )  # fmt: skip
+        future = self.producer.send(self.topic, key=event.kafka_key(), value=event.to_json_bytes())
+        future.add_callback(
+            lambda meta, eid=event.event_id: self.offsets.__setitem__(
+                eid, (meta.partition, meta.offset)
+            )
+        )
+        self.sent[event.event_id] = event
+        return event
+
+    def flush(self) -> None:
+        self.producer.flush(timeout=30)
+        assert set(self.offsets) == set(self.sent), "some events were not acknowledged"
+
+    def close(self) -> None:
+        self.producer.close(timeout=10)
+
+
+class EventStream(threading.Thread):
+    """Background producer: ``rate`` events per second over the cached users until stopped."""
+
+    def __init__(self, events: Events, rate: float = 40.0) -> None:
+        super().__init__(daemon=True)
+        self.events, self.rate = events, rate
+        self.halt = threading.Event()
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        for n in itertools.count():
+            if self.halt.wait(1.0 / self.rate):
+                break
+            with self.lock:
+                self.events.send(CACHED_USERS[(n * 7) % len(CACHED_USERS)], str(1 + n % 300))
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=10)
+        self.events.flush()
+
+
+class Recommendations:
+    """Reads the recommendations topic from its beginning (no group)."""
+
+    def __init__(self, kafka: KafkaSettings) -> None:
+        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
+        partitions = self.consumer.partitions_for_topic(kafka.topic_recommendations) or set()
+        topic_partitions = [TopicPartition(kafka.topic_recommendations, p) for p in partitions]
+        self.consumer.assign(topic_partitions)
+        self.consumer.seek_to_beginning(*topic_partitions)
+        self.messages: list[RecommendationMessage] = []
+
+    def poll(self) -> list[RecommendationMessage]:
+        for records in self.consumer.poll(timeout_ms=200).values():
+            self.messages.extend(
+                RecommendationMessage.model_validate_json(r.value) for r in records
+            )
+        return self.messages
+
+    def answers(self) -> Counter:
+        """How many messages answered each event id (as trigger or as covered)."""
+        return Counter(e for m in self.messages for e in m.covered_event_ids)
+
+    def wait_answered(self, event_ids, timeout: float, worker: Worker | None = None) -> None:
+        wanted = set(event_ids)
+
+        def done() -> bool:
+            if worker is not None:
+                assert worker.process.poll() is None, f"worker exited:\n{worker.log()}"
+            self.poll()
+            return wanted <= set(self.answers())
+
+        wait_for(done, timeout, f"answers to {len(wanted)} events")
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
+
+
+def own_kafka(kafka_broker) -> KafkaSettings:
+    kafka_broker.up(timeout=180.0)
+    suffix = uuid.uuid4().hex[:10]
+    kafka = KafkaSettings(
+        bootstrap=kafka_broker.bootstrap,
+        topic_events=f"genrec.user-events.{suffix}",
+        topic_recommendations=f"genrec.recommendations.{suffix}",
+        topic_dlq=f"genrec.user-events.{suffix}.dlq",
+    )
+    create_topics(kafka)
+    return kafka
+
+
+def committed_offsets(kafka: KafkaSettings, group: str) -> dict[int, int]:
+    admin = KafkaAdminClient(bootstrap_servers=kafka.bootstrap)
+    try:
+        offsets = admin.list_group_offsets(group)[group]
+    finally:
+        admin.close()
+    return {
+        tp.partition: meta.offset for tp, meta in offsets.items() if tp.topic == kafka.topic_events
+    }
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name)] not in "{ ":
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def store_facts(home: Path) -> tuple[set[str], dict[str, set[str]], object]:
+    """(catalog item ids, each stored user's items, the active serving version)."""
+    engine = make_engine(Settings(home=home).database_url)
+    with engine.connect() as connection:
+        catalog = set(connection.execute(select(items.c.item_id)).scalars())
+        seen: dict[str, set[str]] = {}
+        for user_id, item_id in connection.execute(select(events.c.user_id, events.c.item_id)):
+            seen.setdefault(user_id, set()).add(item_id)
+    active = active_serving_version(engine)
+    engine.dispose()
+    return catalog, seen, active
+
+
+# --- one worker shared by the plain serving tests ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(serving_home, kafka_broker, tmp_path_factory):
+    """A running worker on the shared serving version, its events and its answers."""
+    kafka = own_kafka(kafka_broker)
+    log_path = tmp_path_factory.mktemp("serve") / "worker.log"
+    worker = Worker(serving_home, kafka, f"genrec-online-{uuid.uuid4().hex[:6]}", log_path)
+    sent, answers = Events(kafka), Recommendations(kafka)
+    try:
+        worker.wait_healthy()
+        yield worker, sent, answers
+    finally:
+        worker.stop(signal.SIGKILL)
+        sent.close()
+        answers.close()
+
+
+def by_event(answers: Recommendations, event_ids) -> dict[str, RecommendationMessage]:
+    return {m.event_id: m for m in answers.messages if m.event_id in set(event_ids)}
+
+
+def test_an_event_gets_a_recommendation_that_references_it(served, serving_home) -> None:
+    worker, sent, answers = served
+    catalog, seen, active = store_facts(serving_home)
+    users = ["1", "2", "42"]
+    produced = [sent.send(user, item_id="50") for user in users]
+    sent.flush()
+    answers.wait_answered([e.event_id for e in produced], 120, worker)
+    replies = by_event(answers, [e.event_id for e in produced])
+    for event in produced:
+        message = replies[event.event_id]
+        assert message.request_id == event.event_id and message.user_id == event.user_id
+        assert message.covered_event_ids == [event.event_id]
+        assert message.decoding["path"] == "prefix_kv", message.decoding
+        assert message.decoding["serving_version"] == str(active.version)
+        assert message.model_version == active.model_version
+        assert len(message.items) == 10 and len({i.item_id for i in message.items}) == 10
+        assert {i.item_id for i in message.items} <= catalog
+        assert not {i.item_id for i in message.items} & (seen[event.user_id] | {"50"})
+        assert message.branches["generative"], "the generative branch answered nothing"
+        assert set(message.branches) >= {"generative", "popularity", "itemcf", "ann"}
+
+
+def test_a_user_without_a_cache_still_gets_valid_items(served, serving_home) -> None:
+    from genrec.offline.model_store import load_model_version
+
+    worker, sent, answers = served
+    catalog, _seen, active = store_facts(serving_home)
+    settings = Settings(home=serving_home)
+    engine = make_engine(settings.database_url)
+    item_tokens = load_model_version(settings, engine, int(active.model_version)).item_tokens
+    engine.dispose()
+    new_user = sent.send(f"new-user-{uuid.uuid4().hex[:6]}", item_id="50")
+    unknown_item = sent.send(f"new-user-{uuid.uuid4().hex[:6]}", item_id="no-such-item")
+    sent.flush()
+    answers.wait_answered([new_user.event_id, unknown_item.event_id], 120, worker)
+    for event in (new_user, unknown_item):
+        message = by_event(answers, [event.event_id])[event.event_id]
+        assert message.decoding["path"] == "full_prompt", message.decoding
+        assert len(message.items) == 10 and {i.item_id for i in message.items} <= catalog
+        generative = message.branches["generative"]
+        assert generative and event.item_id not in {i.item_id for i in generative}
+        for item in generative:  # a real item whose semantic ID is the model's own mapping
+            tokens = item_tokens.tokens_of(item.item_id)
+            assert item.semantic_id == item_tokens.layout.decode([tokens])[0]
+
+
+def test_metrics_and_healthz_answer(served) -> None:
+    worker, sent, answers = served
+    event = sent.send("7")
+    sent.flush()
+    answers.wait_answered([event.event_id], 120, worker)
+    status, body = worker.get("/healthz")
+    health = json.loads(body)
+    assert status == 200 and health["ok"] and health["role"] == "online"
+    assert health["version"]["generative"] and health["version"]["kv_version"] is not None
+    status, body = worker.get("/metrics")
+    text = body.decode()
+    assert status == 200
+    assert metric_value(text, "genrec_requests_total", path="prefix_kv") >= 1
+    assert metric_value(text, "genrec_events_total", component="online", outcome="consumed") >= 1
+    assert metric_value(text, "genrec_request_latency_seconds_count") >= 1
+    assert metric_value(text, "genrec_prefix_kv_lookups_total") >= 1
+    assert metric_value(text, "genrec_serving_version_info") == 1
+    assert worker.get("/nope")[0] == 404
+
+
+# --- failures, shutdown and version switches: each test its own worker ----------------
+
+
+def test_sigterm_drains_the_batch_in_hand_and_commits(serving_home, kafka_broker, tmp_path) -> None:
+    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
+    sent, answers = Events(kafka), Recommendations(kafka)
+    worker = Worker(serving_home, kafka, group, tmp_path / "worker.log")
+    stream = EventStream(sent, rate=30)
+    try:
+        worker.wait_healthy()
+        stream.start()
+        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
+        assert worker.stop(signal.SIGTERM) == 0, worker.log()
+        stream.stop()
+    finally:
+        stream.halt.set()
+        worker.stop(signal.SIGKILL)
+        sent.close()
+    assert "worker stopped" in worker.log()
+    committed = committed_offsets(kafka, group)
+    below = {
+        event_id
+        for event_id, (partition, offset) in sent.offsets.items()
+        if offset < committed.get(partition, 0)
+    }
+    assert below and len(below) < len(sent.sent)  # stopped mid-stream
+    answers.wait_answered(below, 60)  # published and acknowledged before the commit
+    for _ in range(5):
+        answers.poll()
+    counts = answers.answers()
+    # Answered == committed: nothing answered is left uncommitted, nothing committed unanswered.
+    assert set(counts) == below
+    assert set(counts.values()) == {1}
+    answers.close()
+
+
+def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
+    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
+    sent, answers = Events(kafka), Recommendations(kafka)
+    first = Worker(serving_home, kafka, group, tmp_path / "first.log")
+    second = None
+    stream = EventStream(sent, rate=30)
+    try:
+        first.wait_healthy()
+        stream.start()
+        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # events keep coming meanwhile
+        second = Worker(serving_home, kafka, group, tmp_path / "second.log")
+        second.wait_healthy()
+        time.sleep(2.0)
+        stream.stop()
+        answers.wait_answered(list(sent.sent), 180, second)
+        assert second.stop(signal.SIGTERM) == 0, second.log()
+    finally:
+        stream.halt.set()
+        first.stop(signal.SIGKILL)
+        if second is not None:
+            second.stop(signal.SIGKILL)
+        sent.close()
+    counts = answers.answers()
+    assert set(counts) == set(sent.sent)  # at-least-once: every event answered
+    by_request: dict[str, set] = {}
+    for message in answers.messages:  # a repeated answer is the same request again
+        by_request.setdefault(message.request_id, set()).add(message.user_id)
+    assert all(len(users) == 1 for users in by_request.values())
+    twice = sorted(e for e, n in counts.items() if n > 1)
+    print(f"{len(sent.sent)} events, {len(answers.messages)} answers, "
+          f"{len(twice)} answered twice (between the killed worker's publish and commit)")  # fmt: skip
+    answers.close()
+
+
+def test_activating_a_new_version_switches_without_lost_or_repeated_requests(
+    serving_home, kafka_broker, tmp_path
+) -> None:
+    from genrec.offline.refresh import run_refresh
+
+    home = tmp_path / "home"
+    shutil.copytree(serving_home, home)  # this test activates a version: its own store
+    settings = Settings(home=home, refresh={"semantic_ids": False, "kv_batch_size": 64})
+    engine = make_engine(settings.database_url)
+    with engine.begin() as connection:  # user 5 comes back before the refresh: a new cutoff
+        connection.execute(insert(events).values(
+            event_id="before-refresh", user_id="5", item_id="1", event_type="view",
+            ts_ms=int(time.time() * 1000)))  # fmt: skip
+    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
+    sent, answers = Events(kafka), Recommendations(kafka)
+    worker = Worker(home, kafka, group, tmp_path / "worker.log")
+    stream = EventStream(sent, rate=30)
+    try:
+        worker.wait_healthy()
+        stream.start()
+        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
+        report = run_refresh(settings, engine)  # activates version 2 while events flow
+        new_version = str(report.serving_version)
+        wait_for(
+            lambda: any(m.decoding["serving_version"] == new_version for m in answers.poll()),
+            120, "answers from the new version",
+        )  # fmt: skip
+        with stream.lock:
+            returning = sent.send("5")
+        time.sleep(1.0)
+        stream.stop()
+        answers.wait_answered(list(sent.sent), 120, worker)
+        assert worker.stop(signal.SIGTERM) == 0, worker.log()
+    finally:
+        stream.halt.set()
+        worker.stop(signal.SIGKILL)
+        sent.close()
+        engine.dispose()
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
+    old = [m.produced_at for m in answers.messages if m.decoding["serving_version"] == "1"]
+    new = [m.produced_at for m in answers.messages if m.decoding["serving_version"] == new_version]
+    assert old and new and max(old) <= min(new)  # one switch, between two micro-batches
+    assert {m.decoding["kv_version"] for m in answers.messages} == {1, report.kv_version}
+    reply = by_event(answers, [returning.event_id])[returning.event_id]
+    assert reply.decoding["serving_version"] == new_version
+    assert reply.decoding["prefix_cutoff_event_id"] == "before-refresh"
+    answers.close()

@@ -1,0 +1,267 @@
+"""The online worker loop (online/worker.py) with in-memory Kafka clients and a fake recommender."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kafka.structs import TopicPartition
+
+from genrec.infra.settings import Settings
+from genrec.online.serving_version import ServingBundle, ServingVersions
+from genrec.online.worker import OnlineWorker
+from genrec.schemas.events import UserEvent
+from genrec.schemas.recommendations import RecommendationMessage
+
+TOPIC = "genrec.user-events"
+
+
+@dataclass
+class Record:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes
+    value: bytes
+
+
+class FakeConsumer:
+    """Hands out queued poll results; remembers commits and seeks."""
+
+    def __init__(self, batches: list[list[Record]]) -> None:
+        self.batches = deque(batches)
+        self.commits: list[dict] = []
+        self.seeks: list[tuple] = []
+        self.closed = False
+        self.listener = None
+
+    def poll(self, timeout_ms=0, max_records=None):
+        if not self.batches:
+            return {}
+        records = self.batches.popleft()
+        by_tp: dict = {}
+        for record in records:
+            by_tp.setdefault(TopicPartition(record.topic, record.partition), []).append(record)
+        return by_tp
+
+    def commit(self, offsets):
+        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
+
+    def assignment(self):
+        return {TopicPartition(TOPIC, p) for p in range(3)}
+
+    def seek(self, tp, offset):
+        self.seeks.append((tp.partition, offset))
+
+    def highwater(self, tp):
+        return None
+
+    def close(self):
+        self.closed = True
+
+
+class Future:
+    def __init__(self, error: Exception | None) -> None:
+        self.error = error
+
+    def get(self, timeout=None):
+        if self.error is not None:
+            raise self.error
+        return "ack"
+
+
+class FakeProducer:
+    def __init__(self, fail_first_sends: int = 0) -> None:
+        self.sent: list[tuple[bytes, RecommendationMessage]] = []
+        self.fail_first_sends = fail_first_sends
+        self.closed = False
+
+    def send(self, topic, key, value):
+        if self.fail_first_sends > 0:
+            self.fail_first_sends -= 1
+            return Future(RuntimeError("broker said no"))
+        self.sent.append((key, RecommendationMessage.model_validate_json(value)))
+        return Future(None)
+
+    def flush(self, timeout=None):
+        pass
+
+    def close(self):
+        self.closed = True
+
+
+class EchoRecommender:
+    """One message per request naming the bundle it was served with."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+
+    def recommend(self, requests, bundle):
+        self.batches.append(list(requests))
+        return [
+            RecommendationMessage(
+                request_id=r.event.event_id,
+                user_id=r.user_id,
+                event_id=r.event.event_id,
+                items=[],
+                model_version=bundle.key,
+                latency_ms=0.0,
+                covered_event_ids=[e.event_id for e in r.covered],
+                decoding={"path": "fake"},
+            )  # fmt: skip
+            for r in requests
+        ]
+
+
+def record(partition: int, offset: int, event_id: str, user_id: str, item_id: str = "1") -> Record:
+    event = UserEvent(
+        event_id=event_id, user_id=user_id, item_id=item_id, event_type="view", ts=offset
+    )
+    return Record(TOPIC, partition, offset, user_id.encode(), event.to_json_bytes())
+
+
+def make_worker(batches, producer=None, recommender=None, probe=lambda: "v1", **online):
+    settings = Settings(online={"batch_window_ms": 0, **online})
+    consumer = FakeConsumer(batches)
+    producer = producer or FakeProducer()
+    versions = ServingVersions(probe, lambda key: ServingBundle(key)).start(background=False)
+    worker = OnlineWorker(
+        settings, recommender or EchoRecommender(), versions,
+        consumer_factory=lambda listener: consumer, producer_factory=lambda: producer,
+    )  # fmt: skip
+    return worker, consumer, producer, versions
+
+
+def test_latest_event_per_user_is_the_request_and_offsets_commit_after_publish() -> None:
+    batch = [
+        record(0, 10, "a1", "alice"), record(1, 5, "b1", "bob"), record(0, 11, "a2", "alice"),
+        Record(TOPIC, 1, 6, b"x", b"not json"), record(0, 12, "a3", "alice"),
+    ]  # fmt: skip
+    worker, consumer, producer, _ = make_worker([batch])
+    report = worker.run(exit_when_idle_s=0)
+    answered = {m.event_id: m for _, m in producer.sent}
+    assert set(answered) == {"a3", "b1"}
+    assert answered["a3"].covered_event_ids == ["a1", "a2", "a3"]
+    assert [key for key, _ in producer.sent] == [b"alice", b"bob"]
+    assert consumer.commits == [{TopicPartition(TOPIC, 0): 13, TopicPartition(TOPIC, 1): 7}]
+    assert report.requests == 2 and report.events == 5 and report.invalid_events == 1
+    assert consumer.closed and producer.closed
+
+
+def test_failed_publish_is_not_committed_and_the_batch_is_retried() -> None:
+    batch = [record(2, 40, "c1", "carol"), record(2, 41, "d1", "dave")]
+    # the consumer re-delivers the batch after the worker seeks back
+    worker, consumer, producer, _ = make_worker([batch, batch], FakeProducer(fail_first_sends=1))
+    worker._stop.wait = lambda timeout=None: False  # no retry back-off in tests
+    report = worker.run(exit_when_idle_s=0)
+    assert consumer.seeks == [(2, 40)]
+    assert consumer.commits == [{TopicPartition(TOPIC, 2): 42}]
+    # d1 went out in the failed batch too: at-least-once, consumers dedupe on request_id
+    assert {m.event_id for _, m in producer.sent} == {"c1", "d1"}
+    assert report.publish_failures == 1
+
+
+def test_a_failing_recommender_rewinds_the_batch_and_turns_health_red() -> None:
+    class FlakyRecommender(EchoRecommender):
+        def __init__(self, failures: int) -> None:
+            super().__init__()
+            self.failures = failures
+
+        def recommend(self, requests, bundle):
+            if self.failures > 0:
+                self.failures -= 1
+                raise OSError("behavior store unreachable")
+            return super().recommend(requests, bundle)
+
+    batch = [record(1, 7, "f1", "frank")]
+    recommender = FlakyRecommender(failures=3)
+    worker, consumer, producer, _ = make_worker([batch] * 4, recommender=recommender)
+    health = []
+    worker._stop.wait = lambda timeout=None: health.append(worker.health()[0]) or False
+    worker.run(exit_when_idle_s=0)
+    assert consumer.seeks == [(1, 7)] * 3 and health == [True, True, False]
+    assert [m.event_id for _, m in producer.sent] == ["f1"]
+    assert (
+        consumer.commits == [{TopicPartition(TOPIC, 1): 8}]
+        and worker.health()[1]["failing_batches"] == 0
+    )
+
+
+def test_big_batches_are_recommended_in_chunks_of_max_batch_users() -> None:
+    batch = [record(0, i, f"e{i}", f"user{i}") for i in range(7)]
+    recommender = EchoRecommender()
+    worker, consumer, producer, _ = make_worker([batch], recommender=recommender, max_batch_users=3)
+    worker.run(exit_when_idle_s=0)
+    assert [len(b) for b in recommender.batches] == [3, 3, 1]
+    assert len(producer.sent) == 7 and len(consumer.commits) == 1
+
+
+def test_new_version_is_used_from_the_next_batch_on() -> None:
+    active = {"key": "v1"}
+    batches = [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")]]
+    recommender = EchoRecommender()
+    worker, _, producer, versions = make_worker(
+        batches, recommender=recommender, probe=lambda: active["key"]
+    )
+    original = recommender.recommend
+
+    def switch_after_first(requests, bundle):
+        messages = original(requests, bundle)
+        active["key"] = "v2"
+        versions.check_now()
+        return messages
+
+    recommender.recommend = switch_after_first
+    report = worker.run(exit_when_idle_s=0)
+    assert [(m.event_id, m.model_version) for _, m in producer.sent] == [("e0", "v1"), ("e1", "v2")]
+    assert report.versions == ["v1", "v2"]
+
+
+def test_stop_request_drains_the_batch_in_hand() -> None:
+    batches = [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")], [record(0, 2, "e2", "u2")]]
+    recommender = EchoRecommender()
+    worker, consumer, producer, _ = make_worker(batches, recommender=recommender)
+    original = recommender.recommend
+
+    def stop_during_first(requests, bundle):
+        worker.request_stop()  # as SIGTERM would, while a batch is being served
+        return original(requests, bundle)
+
+    recommender.recommend = stop_during_first
+    worker.run()
+    assert [m.event_id for _, m in producer.sent] == ["e0"]
+    assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}] and consumer.closed
+
+
+def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
+    class RevokingConsumer(FakeConsumer):
+        def poll(self, timeout_ms=0, max_records=None):
+            polled = super().poll(timeout_ms, max_records)
+            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
+                self.seeks.append("revoked")
+                self.listener.on_partitions_revoked([TopicPartition(TOPIC, 1)])
+            return polled
+
+    consumer = RevokingConsumer([[record(0, 0, "e0", "u0"), record(1, 0, "f0", "u1")]])
+
+    def factory(listener):
+        consumer.listener = listener
+        return consumer
+
+    producer = FakeProducer()
+    worker = OnlineWorker(
+        Settings(online={"batch_window_ms": 50}), EchoRecommender(),
+        ServingVersions(lambda: "v", ServingBundle).start(background=False),
+        consumer_factory=factory, producer_factory=lambda: producer,
+    )  # fmt: skip
+    worker.run(exit_when_idle_s=0.3)
+    assert [m.event_id for _, m in producer.sent] == ["e0"]
+    assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}]
+
+
+def test_health_reports_the_serving_version() -> None:
+    worker, *_ = make_worker([])
+    ok, details = worker.health()
+    assert ok and details["version"]["key"] == "v1"
+    worker.request_stop()
+    assert not worker.health()[0]
