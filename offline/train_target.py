@@ -1,0 +1,310 @@
+"""Training the target model (offline step, models): every next-item position, early stopping.
+
+Each epoch cuts every user's training sequence (``Split.train``) into windows
+of up to ``H + 1`` items at a random offset, so every item is a target once per
+epoch and sees up to ``H`` items of context. One causal pass over a window
+trains all its items at once; the loss is cross-entropy over the tokens of the
+level being predicted (the decoder never picks a token of another level).
+Every ``eval_every`` epochs the model decodes the validation cases
+(``Split.valid``) and training stops when validation HR@10 has not improved
+``patience`` times; the best weights are kept.
+
+Example::
+
+    >>> result = train_target(item_tokens, split, PRESETS["tiny"], history_items=50)  # doctest: +SKIP
+    >>> result.metrics["valid_hr@10"]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from genrec.offline.generative import PrefixTree, decode_batched
+from genrec.offline.models import ModelPreset, build_target, item_logits, level_masks, pick_device
+from genrec.offline.prompts import IGNORE_INDEX, ItemTokens, history_prompt, training_example
+from genrec.offline.splits import Case, Split
+
+
+@dataclass
+class TrainResult:
+    model: Any
+    curves: dict[str, list[float]] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# --- data -----------------------------------------------------------------------
+
+
+def epoch_windows(
+    sequences: Sequence[Sequence[str]], max_items: int, rng: np.random.Generator
+) -> list[list[str]]:
+    """Every sequence cut into windows of ``max_items + 1`` items at a random offset."""
+    size = max_items + 1
+    windows = []
+    for items in sequences:
+        if len(items) < 1:
+            continue
+        offset = int(rng.integers(0, size)) if len(items) > size else 0
+        cuts = [0, *range(offset or size, len(items), size)]
+        windows.extend(
+            list(items[a:b]) for a, b in zip(cuts, [*cuts[1:], len(items)], strict=False) if b > a
+        )
+    return windows
+
+
+def collate(
+    examples: Sequence[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``input_ids``, ``labels`` and ``attention_mask``."""
+    width = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.long)
+    for row, (ids, labs) in enumerate(examples):
+        input_ids[row, : len(ids)] = torch.as_tensor(ids)
+        labels[row, : len(labs)] = torch.as_tensor(labs)
+        mask[row, : len(ids)] = 1
+    return input_ids, labels, mask
+
+
+class LevelLoss:
+    """Cross-entropy of item tokens, each over its own level's tokens only."""
+
+    def __init__(self, item_tokens: ItemTokens, device: torch.device) -> None:
+        layout = item_tokens.layout
+        self.layout = layout
+        masks = level_masks(layout, device)
+        self.level_bias = torch.zeros(masks.shape, device=device).masked_fill(~masks, float("-inf"))
+        self.level_of = masks.float().argmax(0)  # item-token index -> its level
+
+    def logits_and_targets(self, model, input_ids, labels, mask):
+        """Per trained position: level-masked item logits [N, V] and the target index [N]."""
+        logits, _ = item_logits(model, self.layout, input_ids, mask)
+        trained = labels != IGNORE_INDEX
+        targets = labels[trained] - self.layout.item_token_start
+        level_logits = logits[trained] + self.level_bias[self.level_of[targets]]
+        return level_logits, targets
+
+    def __call__(self, model, input_ids, labels, mask) -> torch.Tensor:
+        level_logits, targets = self.logits_and_targets(model, input_ids, labels, mask)
+        return F.cross_entropy(level_logits.float(), targets)
+
+
+def add_embedding_dropout(model, p: float):
+    """Dropout on the token embeddings during training (a hook, so checkpoints stay plain)."""
+
+    def hook(module, _inputs, output):
+        return F.dropout(output, p, training=module.training)
+
+    return model.model.embed_tokens.register_forward_hook(hook)
+
+
+# --- evaluation -------------------------------------------------------------------
+
+
+def evaluate_cases(
+    model,
+    item_tokens: ItemTokens,
+    tree: PrefixTree,
+    cases: Sequence[Case],
+    history_items: int,
+    k: int = 10,
+    beam_width: int = 20,
+    batch_size: int = 64,
+) -> dict[str, float]:
+    """HR@k and NDCG@k of constrained beam search, history items excluded."""
+    model.eval()
+    prompts = [history_prompt(case.history, item_tokens, history_items) for case in cases]
+    index = item_tokens.index
+    exclude = [[index[i] for i in set(case.history) if i in index] for case in cases]
+    result = decode_batched(model, tree, prompts, max(k, beam_width), exclude, batch_size)
+    hits, gains = 0.0, 0.0
+    for case, row in zip(cases, result.item_index.tolist(), strict=True):
+        ranked = [item_tokens.item_ids[i] for i in row if i >= 0][:k]
+        if case.target in ranked:
+            hits += 1
+            gains += 1.0 / math.log2(ranked.index(case.target) + 2)
+    n = max(len(cases), 1)
+    return {f"hr@{k}": hits / n, f"ndcg@{k}": gains / n}
+
+
+@torch.no_grad()
+def validation_loss(model, loss_fn: LevelLoss, cases, item_tokens, history_items, device) -> float:
+    """Mean CE of the validation targets' tokens given their histories."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(cases), 64):
+        examples = []
+        for case in cases[start : start + 64]:
+            history = item_tokens.known(case.history)[-history_items:]
+            ids, labels = training_example([*history, case.target], item_tokens)
+            depth = item_tokens.layout.depth
+            labels = [IGNORE_INDEX] * (len(labels) - depth) + labels[-depth:]
+            examples.append((ids, labels))
+        ids, labels, mask = collate(examples, item_tokens.layout.pad_token_id)
+        loss = loss_fn(model, ids.to(device), labels.to(device), mask.to(device))
+        count += len(examples)
+        total += float(loss) * len(examples)
+    return total / max(count, 1)
+
+
+# --- training ---------------------------------------------------------------------
+
+
+def train_target(
+    item_tokens: ItemTokens,
+    split: Split,
+    preset: ModelPreset,
+    history_items: int = 50,
+    model=None,
+    seed: int = 0,
+    progress: bool = True,
+    valid_limit: int | None = None,
+    beam_width: int = 20,
+) -> TrainResult:
+    """Train a target on ``split.train`` with early stopping on ``split.valid`` HR@10."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    device = pick_device()
+    model = (model or build_target(preset, item_tokens.layout)).to(device)
+    sequences = [item_tokens.known(items) for items in split.train.values()]
+    valid = [c for c in split.valid.values() if c.target in item_tokens]
+    valid = valid[: valid_limit or preset.eval_users]
+    tree = PrefixTree(item_tokens, device)
+    loss_fn = LevelLoss(item_tokens, device)
+    steps_per_epoch = math.ceil(
+        len(epoch_windows(sequences, history_items, rng)) / preset.batch_size
+    )
+    total_steps = preset.max_steps or steps_per_epoch * preset.epochs
+    optimizer, schedule = make_optimizer(model, preset.lr, preset.weight_decay, total_steps)
+    hook = add_embedding_dropout(model, preset.dropout) if preset.dropout > 0 else None
+    curves: dict[str, list[float]] = {"train_loss": [], "valid_loss": [], "valid_hr@10": []}
+    best = {"hr": -1.0, "state": None, "epoch": 0}
+    started, step, stale = time.perf_counter(), 0, 0
+    bar = tqdm(total=total_steps, desc=f"target {preset.name}", disable=not progress)
+    for epoch in range(1, preset.epochs + 1):
+        model.train()
+        windows = epoch_windows(sequences, history_items, rng)
+        order = rng.permutation(len(windows))
+        epoch_losses = []
+        for start in range(0, len(order), preset.batch_size):
+            batch = [
+                training_example(windows[i], item_tokens)
+                for i in order[start : start + preset.batch_size]
+            ]
+            ids, labels, mask = (
+                t.to(device) for t in collate(batch, item_tokens.layout.pad_token_id)
+            )
+            loss = loss_fn(model, ids, labels, mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            schedule(_progress(step, total_steps, started, preset.time_budget_s))
+            epoch_losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{np.mean(epoch_losses[-50:]):.3f}")
+            if step >= total_steps or _over_budget(started, preset.time_budget_s):
+                break
+        curves["train_loss"].append(float(np.mean(epoch_losses)))
+        out_of_time = _over_budget(started, preset.time_budget_s)
+        last_epoch = step >= total_steps or epoch == preset.epochs or out_of_time
+        if epoch % preset.eval_every and not last_epoch:
+            continue
+        curves["valid_loss"].append(
+            validation_loss(model, loss_fn, valid, item_tokens, history_items, device)
+        )
+        hr = evaluate_cases(model, item_tokens, tree, valid, history_items, beam_width=beam_width)[
+            "hr@10"
+        ]
+        curves["valid_hr@10"].append(hr)
+        bar.write(f"epoch {epoch}: train {curves['train_loss'][-1]:.4f} "
+                  f"valid loss {curves['valid_loss'][-1]:.4f} HR@10 {hr:.4f}")  # fmt: skip
+        if hr > best["hr"]:
+            best = {"hr": hr, "state": copy.deepcopy(model.state_dict()), "epoch": epoch}
+            stale = 0
+        else:
+            stale += 1
+        if stale >= preset.patience or last_epoch:
+            break
+    bar.close()
+    if hook is not None:
+        hook.remove()
+    model.load_state_dict(best["state"])
+    model.eval()
+    metrics = {"valid_hr@10": best["hr"], "best_epoch": best["epoch"], "steps": step,
+               "epochs_run": epoch}  # fmt: skip
+    return TrainResult(model, curves, metrics, time.perf_counter() - started)
+
+
+def _progress(step: int, total_steps: int, started: float, budget_s: float | None) -> float:
+    fraction = step / max(total_steps, 1)
+    if budget_s:
+        fraction = max(fraction, (time.perf_counter() - started) / budget_s)
+    return min(fraction, 1.0)
+
+
+def _over_budget(started: float, budget_s: float | None) -> bool:
+    return budget_s is not None and time.perf_counter() - started > budget_s
+
+
+def make_optimizer(model, lr: float, weight_decay: float, total_steps: int):
+    """AdamW (no decay on norms and biases) and ``set_progress(fraction)``: warmup, cosine to 10%.
+
+    Progress is a fraction of the schedule, so a time budget can drive it as well as steps.
+    """
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.98),
+    )  # fmt: skip
+    warmup = min(0.05, 100 / max(total_steps, 1))
+
+    def set_progress(fraction: float) -> None:
+        if fraction < warmup:
+            factor = (fraction + 1e-3) / (warmup + 1e-3)
+        else:
+            done = min(1.0, (fraction - warmup) / max(1e-9, 1 - warmup))
+            factor = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
+        for group in optimizer.param_groups:
+            group["lr"] = lr * factor
+
+    set_progress(0.0)
+    return optimizer, set_progress
+
+
+def plot_curves(curves: Mapping[str, Sequence[float]], path: Path, title: str) -> Path:
+    """Loss (and validation HR) curves as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, values in curves.items() if values]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names), 3.5), squeeze=False)
+    for axis, name in zip(axes[0], names, strict=True):
+        values = curves[name]
+        axis.plot(range(1, len(values) + 1), values, marker="o" if len(values) < 40 else None)
+        axis.set_title(name)
+        axis.set_xlabel("evaluation" if name.startswith("valid") else "epoch")
+        axis.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

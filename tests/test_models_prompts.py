@@ -1,0 +1,128 @@
+"""Prompts, tokenizer, prefix tree and constrained beam search of the generative models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from genrec.offline.generative import PrefixTree, decode_batched
+from genrec.offline.models import PRESETS, build_draft, build_target, item_logits, scratch_tokenizer
+from genrec.offline.prompts import (
+    IGNORE_INDEX,
+    ItemTokens,
+    history_prompt,
+    target_tokens,
+    training_example,
+)
+from genrec.schemas.token_layout import TokenLayout
+
+
+def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0) -> ItemTokens:
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
+    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
+    layout = TokenLayout.for_scratch_model(codes_per_level)
+    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
+
+
+def test_prompt_layout_and_prefix_property():
+    items = random_items(20)
+    history = [f"i{k}" for k in range(8)]
+    prompt = history_prompt(history, items, max_items=50)
+    assert prompt[0] == items.layout.bos_token_id
+    assert len(prompt) == 1 + 8 * items.layout.depth
+    assert prompt[1:4] == items.tokens_of("i0")
+    # Newer events extend the prompt at the end while the history fits in H items.
+    longer = history_prompt([*history, "i9", "i10"], items, max_items=50)
+    assert longer[: len(prompt)] == prompt
+    # Beyond H items the window slides: only the last H items remain.
+    window = history_prompt(history, items, max_items=3)
+    assert window[1:] == sum((items.tokens_of(i) for i in history[-3:]), [])
+    # Unknown items (no semantic ID yet) are skipped.
+    assert history_prompt(["unknown", *history], items, 50) == prompt
+
+
+def test_target_is_id_then_eos_and_training_labels_shift():
+    items = random_items(10)
+    assert target_tokens("i3", items) == [*items.tokens_of("i3"), items.layout.eos_token_id]
+    with pytest.raises(KeyError):
+        target_tokens("nope", items)
+    ids, labels = training_example(["i1", "i2"], items)
+    full = [items.layout.bos_token_id, *items.tokens_of("i1"), *items.tokens_of("i2")]
+    assert ids == full[:-1]
+    assert labels == full[1:]
+    titled_ids, titled_labels = training_example(["i1", "i2"], items, {"i1": [3, 3]})
+    assert titled_ids[4:6] == [3, 3] and titled_labels[3:5] == [IGNORE_INDEX, IGNORE_INDEX]
+
+
+def test_item_tokens_rejects_duplicate_ids():
+    layout = TokenLayout.for_scratch_model((4, 4))
+    with pytest.raises(ValueError, match="unique"):
+        ItemTokens(["a", "b"], np.array([[1, 1], [1, 1]]), layout)
+
+
+def test_scratch_tokenizer_knows_item_tokens():
+    layout = TokenLayout.for_scratch_model((4, 3))
+    tokenizer = scratch_tokenizer(layout)
+    assert len(tokenizer) == layout.vocab_size
+    assert tokenizer.convert_tokens_to_ids(["<a_2>", "<b_0>"]) == layout.encode([[2, 0]])[0]
+    assert tokenizer.bos_token_id == layout.bos_token_id
+
+
+def _exact_item_scores(model, items: ItemTokens, prompt: list[int]) -> torch.Tensor:
+    """log p(item | prompt) of every item, each level renormalized over valid children."""
+    layout = items.layout
+    sequences = torch.as_tensor([prompt + row for row in items.table.tolist()])
+    logits, _ = item_logits(model, layout, sequences)
+    offsets = np.asarray([layout.level_start(i) for i in range(layout.depth)])
+    codes = items.table - offsets
+    scores = torch.zeros(len(items))
+    for level in range(layout.depth):
+        start = layout.level_start(level) - layout.item_token_start
+        level_logits = logits[
+            :, len(prompt) - 1 + level, start : start + layout.codes_per_level[level]
+        ]
+        for row, code in enumerate(codes):
+            siblings = sorted({c[level] for c in codes if tuple(c[:level]) == tuple(code[:level])})
+            scores[row] += level_logits[row, code[level]] - torch.logsumexp(
+                level_logits[row, siblings], 0
+            )
+    return scores
+
+
+def test_full_width_beam_search_is_exact_and_valid():
+    torch.manual_seed(0)
+    items = random_items(40)
+    model = build_target(PRESETS["tiny"], items.layout).eval()
+    tree = PrefixTree(items)
+    rng = np.random.default_rng(1)
+    prompts = [
+        history_prompt([f"i{k}" for k in rng.integers(0, 40, n)], items, 50) for n in (1, 4, 2)
+    ]
+    result = decode_batched(model, tree, prompts, beam_width=len(items), batch_size=2)
+    for row, prompt in enumerate(prompts):
+        exact = _exact_item_scores(model, items, prompt)
+        order = torch.argsort(exact, descending=True)
+        assert result.item_index[row].tolist() == order.tolist()
+        assert torch.allclose(result.scores[row], exact[order], atol=1e-4)
+    # Tokens returned are the items' semantic IDs.
+    assert (result.tokens[0, 0].numpy() == items.table[result.item_index[0, 0]]).all()
+
+
+def test_beam_search_only_returns_valid_unexcluded_items():
+    torch.manual_seed(1)
+    items = random_items(30)
+    model = build_target(PRESETS["tiny"], items.layout).eval()
+    draft = build_draft(PRESETS["tiny"], items.layout).eval()
+    tree = PrefixTree(items)
+    prompts = [history_prompt(["i1", "i2"], items, 50), history_prompt(["i3"], items, 50)]
+    exclude = [[0, 1, 2], []]
+    result = decode_batched(model, tree, prompts, 5, exclude, shadow=draft, shadow_width=5)
+    assert result.item_index.shape == (2, 5)
+    assert set(result.item_index[0].tolist()).isdisjoint({0, 1, 2})
+    assert ((result.item_index >= 0) & (result.item_index < len(items))).all()
+    assert len(result.step_acceptance) == items.layout.depth
+    # More beams than items: the extra slots say so with -1.
+    few = decode_batched(model, tree, prompts[:1], 50)
+    assert sorted(i for i in few.item_index[0].tolist() if i >= 0) == list(range(30))
