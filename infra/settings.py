@@ -217,6 +217,7 @@ class RefreshSettings(BaseModel):
     realign_drafts: bool = False  # re-align the drafts to the current target
     train_preset: str | None = None  # default: model.preset
     precompute_kv: bool = True
+    recall: bool = True  # refit popularity / item-CF / ANN into recall.artifacts_dir
     # Prefix KV store.
     kv_backend: Literal["local"] = "local"
     kv_dir: Path | None = None  # default: data_dir / "prefix_kv"

@@ -116,6 +116,20 @@ def load_models(settings, engine: Engine):
     return models
 
 
+def has_active_model(engine: Engine) -> bool:
+    from genrec.offline.model_store import active_model_row
+
+    return active_model_row(engine) is not None
+
+
+def fit_recall(settings, engine: Engine) -> None:
+    """Refit the traditional branches on the store and swap them in where serving reads them."""
+    from genrec.offline.recall import fit_store_branches, save_branches
+
+    root = settings.recall.artifacts_dir or settings.path("recall", "x").parent
+    save_branches(fit_store_branches(settings, engine), root)
+
+
 def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> list:
     from genrec.online.prefix_kv import compute_prefix_kv as compute
 
@@ -130,6 +144,8 @@ class RefreshSteps:
     train_models: Callable[..., None] = train_models
     load_models: Callable[..., Any] = load_models
     compute_prefix_kv: Callable[..., list] = compute_prefix_kv
+    has_active_model: Callable[[Engine], bool] = has_active_model
+    fit_recall: Callable[..., None] = fit_recall
     checkpoint: Callable[[str], None] = lambda _name: None
 
 
@@ -209,8 +225,15 @@ class _Run:
                 ),
             )
             self.counts["semantic_ids"] = summary
-        if refresh.retrain_target or refresh.realign_drafts or refresh.full_semantic_ids:
-            retrain_target = refresh.retrain_target or refresh.full_semantic_ids
+        # The first refresh of a fresh store has no model yet: it must train one.
+        first_model = not self.steps.has_active_model(self.engine)
+        if (
+            first_model
+            or refresh.retrain_target
+            or refresh.realign_drafts
+            or refresh.full_semantic_ids
+        ):
+            retrain_target = first_model or refresh.retrain_target or refresh.full_semantic_ids
             self._step(
                 "train",
                 lambda: self.steps.train_models(self.settings, self.engine, retrain_target),
@@ -226,6 +249,8 @@ class _Run:
             self._step(
                 "prefix_kv", lambda: self._precompute_kv(models, version, cutoff_row, previous)
             )
+        if refresh.recall:
+            self._step("recall", lambda: self.steps.fit_recall(self.settings, self.engine))
         self._step("activate", lambda: self._activate(
             job_run_id, version, semantic_id_version, model_version))  # fmt: skip
         return RefreshReport(job_run_id, version, semantic_id_version, model_version, version,

@@ -64,7 +64,9 @@ def tiny_models(version: int) -> GenerativeModels:
 class FakeSteps(RefreshSteps):
     """Records what the run asked for; ``fail_at`` raises after the named step."""
 
-    def __init__(self, fail_at: str | None = None, model_version: int = 1) -> None:
+    def __init__(
+        self, fail_at: str | None = None, model_version: int = 1, has_model: bool = True
+    ) -> None:
         self.calls: list[tuple] = []
         self.fail_at = fail_at
         self.model_version = model_version
@@ -73,6 +75,8 @@ class FakeSteps(RefreshSteps):
             refresh_semantic_ids=self._semantic_ids,
             train_models=self._train,
             load_models=lambda _s, _e: tiny_models(self.model_version),
+            has_active_model=lambda _e: has_model,
+            fit_recall=lambda _s, _e: self.calls.append(("recall",)),
             checkpoint=self._checkpoint,
         )
 
@@ -123,7 +127,8 @@ def test_refresh_builds_activates_and_records(tmp_path: Path, database_url: str)
     add_events(engine, range(USERS), per_user=8)
     steps = FakeSteps()
     report = run_refresh(settings, engine, steps=steps, trigger="test")
-    assert steps.calls == [("semantic_ids", False)]  # incremental, no training by default
+    # incremental IDs, no training by default, recall branches refitted
+    assert steps.calls == [("semantic_ids", False), ("recall",)]
     assert_serves(settings, engine, report.serving_version, "1")
     assert report.semantic_id_version == 5
     (run,) = runs(engine)
@@ -176,7 +181,7 @@ def test_retraining_realigns_drafts_and_recomputes_every_user(sqlite_setup) -> N
         update={"refresh": settings.refresh.model_copy(update={"retrain_target": True})}
     )
     report = run_refresh(retrain, engine, steps=steps)
-    assert steps.calls == [("semantic_ids", False), ("train", True)]
+    assert steps.calls == [("semantic_ids", False), ("train", True), ("recall",)]
     assert runs(engine)[-1]["counts"]["trained"] == "target+drafts"
     assert runs(engine)[-1]["counts"]["kv"]["computed"] == USERS  # new model: nothing reused
     assert_serves(settings, engine, report.serving_version, "2")
@@ -184,7 +189,7 @@ def test_retraining_realigns_drafts_and_recomputes_every_user(sqlite_setup) -> N
         update={"retrain_target": False, "full_semantic_ids": True})})  # fmt: skip
     steps = FakeSteps()
     run_refresh(full, engine, steps=steps)
-    assert steps.calls == [("semantic_ids", True), ("train", True)]  # new IDs need a new target
+    assert steps.calls == [("semantic_ids", True), ("train", True), ("recall",)]  # new IDs: new target
 
 
 @pytest.mark.parametrize(
@@ -302,3 +307,10 @@ def test_cli_status_lists_runs(sqlite_setup, monkeypatch, capsys) -> None:
         get_settings.cache_clear()
     out = capsys.readouterr().out
     assert '"status": "succeeded"' in out and '"kv_version": 1' in out
+
+
+def test_first_refresh_of_a_store_without_models_trains_them(sqlite_setup) -> None:
+    settings, engine = sqlite_setup
+    steps = FakeSteps(has_model=False)
+    run_refresh(settings, engine, steps=steps)
+    assert ("train", True) in steps.calls and ("recall",) in steps.calls
