@@ -49,10 +49,14 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     demo = commands.add_parser(
         "demo",
         help="run the whole system on embedded defaults (what `make demo` runs)",
-        description="Local Kafka up, topics, replay MovieLens-100K, ingest until idle, "
-        "then print counts and throughput.",
+        description="Local Kafka up, replay the first 80% of MovieLens-100K and ingest it, "
+        "one offline refresh (small preset), then serve the last 20% replayed at a steady rate "
+        "and print online prequential hit rates, latency and throughput.",
     )
     demo.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    demo.add_argument(
+        "--rate", type=float, default=100.0, help="events/s of the replayed last 20%% (default 100)"
+    )
     demo.set_defaults(handler=_demo)
 
 
@@ -110,5 +114,5 @@ def _demo(args: argparse.Namespace) -> int:
     from genrec.infra.demo import run_demo
     from genrec.infra.settings import get_settings
 
-    run_demo(get_settings(), json_path=args.json)
+    run_demo(get_settings(), json_path=args.json, rate=args.rate)
     return 0

@@ -41,5 +41,5 @@ def configure_logging(level: str = "INFO", fmt: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("kafka", "urllib3", "filelock", "httpx", "apscheduler.executors"):
+    for noisy in ("kafka", "urllib3", "filelock", "httpx", "apscheduler.executors", "faiss"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 POLL_IDLE_MS = 200  # poll timeout while no batch is open: bounds how fast SIGTERM is seen
 PUBLISH_RETRY_S = 1.0  # wait before a failed batch is served again
 FAILING_BATCHES = 3  # failed attempts in a row after which /healthz answers 503
+PROGRESS_EVERY_S = 5.0  # seconds between progress lines in the log
 
 
 @dataclass
@@ -88,6 +89,7 @@ class OnlineWorker:
         self._stop = threading.Event()
         self._pending: list[_Polled] = []
         self._last_loop = time.monotonic()
+        self._last_progress = time.monotonic()
         self.report = WorkerReport()
         self._failures = 0  # batches in a row that could not be answered
         self.consumer: Any = None
@@ -229,12 +231,19 @@ class OnlineWorker:
         self.report.requests += len(requests)
         self.report.events += len(polled)
         metrics.record_lag("online", self.consumer)
-        log.info(
+        # One line per batch is for debugging; the progress line below is for operators.
+        log.debug(
             "served %d requests (%d events) with version %s",
             len(requests), len(polled), bundle.key,
             extra={"fields": {"requests": len(requests), "events": len(polled), "version": bundle.key,
                               "max_latency_ms": max((m.latency_ms for m in messages), default=0.0)}},
         )  # fmt: skip
+        if now - self._last_progress >= PROGRESS_EVERY_S:
+            self._last_progress = now
+            log.info(
+                "serve: %d requests (%d events) in %d batches, version %s",
+                self.report.requests, self.report.events, self.report.batches, bundle.key,
+            )  # fmt: skip
 
     def _publish(self, messages: Sequence[Any]) -> bool:
         """Send all, flush, and check every acknowledgement; False if any failed."""
