@@ -189,6 +189,8 @@ def run_demo(settings: Settings, json_path: Path | None = None, rate: float = 10
     report.online = serve_and_measure(settings, rate=rate)
     report.seconds["online"] = round(time.monotonic() - clock, 1)
     print_online(report.online)
+    report.store_counts = count_store(settings)
+    print(f"store: {report.store_counts} (the ingest process stored the replayed 20% too)")
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report_json(report), indent=2))
@@ -205,6 +207,7 @@ def report_json(report: DemoReport) -> dict[str, Any]:
         "events_replayed": online.get("events_replayed", 0),
         "recommendations": online.get("recommendations", 0),
         "ingest": {"events_stored": report.events_stored, "events_per_s": report.ingest_rate},
+        "store_counts": report.store_counts,
         "refresh": report.refresh,
         "seconds": report.seconds,
     }

@@ -69,7 +69,7 @@ events = Table(
     Column("ingested_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
 Index("ix_events_user_ts", events.c.user_id, events.c.ts_ms, events.c.id)
-Index("ix_events_item", events.c.item_id)
+# No index on item_id: nothing reads events by item, and every index costs ingest time.
 
 # --- semantic ids -----------------------------------------------------------
 
