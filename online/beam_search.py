@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -395,13 +396,66 @@ def top_k_children(
     return flat // codes, flat % codes, best
 
 
-def fill_single_children(beams: Beams, trie: ItemTrie, stats: DecodeStats) -> Beams:
-    """Append the only valid child while every beam has one (log-prob 0 under ``"allowed"``)."""
+def fill_single_children(
+    beams: Beams, trie: ItemTrie, stats: DecodeStats, dead: list[torch.Tensor] | None = None
+) -> Beams:
+    """Append the only valid child while every beam has one (log-prob 0 under ``"allowed"``).
+
+    A forced token into a ``dead`` node (only excluded items below) scores -inf.
+    """
     while beams.level < trie.layout.depth and bool(trie.single_child(beams.tokens).all()):
+        scores = beams.scores
+        if dead is not None and len(dead[beams.level]):
+            blocked = torch.isin(trie.child_nodes(beams.tokens), dead[beams.level]).any(1)
+            scores = scores.masked_fill(blocked, -math.inf)
         forced = trie.only_child(beams.tokens)
-        beams = beams.select(torch.arange(len(forced), device=forced.device), forced, beams.scores)
+        beams = beams.select(torch.arange(len(forced), device=forced.device), forced, scores)
         stats.forced_steps += 1
     return beams
+
+
+def child_log_probs(
+    scorer: ItemScorer,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    trie: ItemTrie,
+    dead: list[torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Tensor[W, C]: log-probs of the next code after each beam; -inf where invalid or dead.
+
+    ``dead`` (``ItemTrie.dead_nodes`` of the excluded items) is masked AFTER
+    normalizing, so every other item keeps the score it has without exclusion.
+    """
+    level = tokens.shape[1]
+    log_probs = scorer.log_probs(hidden, level, trie.allowed_mask(tokens))
+    if dead is not None and len(dead[level]):
+        blocked = torch.isin(trie.child_nodes(tokens), dead[level])
+        log_probs = log_probs.masked_fill(blocked, -math.inf)
+    return log_probs
+
+
+def feed_beams(cache: TreeCache, active: dict[int, Beams], name: str) -> dict[int, torch.Tensor]:
+    """One call of ``cache``'s model on every user's unfed beam tokens; hidden state at each tip [W, H]."""
+    builders, tips, nodes = {}, {}, {}
+    for b, beams in active.items():
+        builders[b], prompt_tip = cache.builder(b)
+        tips[b], nodes[b] = add_beam_tips(builders[b], beams, name, cache.prompt_len[b], prompt_tip)
+    offset = cache.length
+    hidden = cache.forward(builders)
+    for b, beams in active.items():
+        beams.slots[name] = torch.where(nodes[b] >= 0, offset + nodes[b], beams.slots[name])
+    return {b: hidden[b][tips[b]] for b in active}
+
+
+def excluded_nodes(
+    trie: ItemTrie, exclude: Sequence[Sequence[int]] | None, n_users: int
+) -> list[list[torch.Tensor] | None]:
+    """Per user, ``trie.dead_nodes`` of the catalog rows it must not get (None: nothing excluded)."""
+    if exclude is None:
+        return [None] * n_users
+    if len(exclude) != n_users:
+        raise ValueError(f"exclude has {len(exclude)} entries for {n_users} users")
+    return [trie.dead_nodes(torch.as_tensor(list(rows))) if len(rows) else None for rows in exclude]
 
 
 def initial_beams(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> Beams:
@@ -471,43 +525,37 @@ def beam_search(
     layout: TokenLayout,
     k: int,
     score_mode: ScoreMode = "allowed",
+    exclude: Sequence[Sequence[int]] | None = None,
 ) -> DecodeResult:
     """Top-``k`` valid items per user by beam search with ``model`` alone.
 
     ``prompts``: token-id lists (BOS + history item tokens; ragged is fine) or a
     ``PrefixBatch`` of cached prefixes plus suffix tokens. One model call per
     level, fewer where every beam has a single valid child (``"allowed"`` mode).
+    ``exclude[b]``: catalog rows user ``b`` must not get (e.g. already seen):
+    every node with only excluded items below is masked, so K beams still give
+    K items; the others keep their scores.
     """
     trie = check_inputs(model, prompts, layout, trie, k)
     scorer = ItemScorer(model, layout, score_mode)
     cache = TreeCache(model, prompts)
     n_users = len(cache.pending)
+    excluded = excluded_nodes(trie, exclude, n_users)
     active = {b: initial_beams(cache.device, scorer.dtype, ("target",)) for b in range(n_users)}
     finished: dict[int, Beams] = {}
     stats = [DecodeStats() for _ in range(n_users)]
     while active:
         for b in list(active):
             if score_mode == "allowed":
-                active[b] = fill_single_children(active[b], trie, stats[b])
+                active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
             if active[b].level == layout.depth:
                 finished[b] = active.pop(b)
         if not active:
             break
-        builders, tips, nodes = {}, {}, {}
-        for b, beams in active.items():
-            builders[b], prompt_tip = cache.builder(b)
-            tips[b], nodes[b] = add_beam_tips(
-                builders[b], beams, "target", cache.prompt_len[b], prompt_tip
-            )
-        offset = cache.length
-        hidden = cache.forward(builders)
+        hidden = feed_beams(cache, active, "target")
         for b, beams in active.items():
             stats[b].target_calls += 1
-            beams.slots["target"] = torch.where(
-                nodes[b] >= 0, offset + nodes[b], beams.slots["target"]
-            )
-            allowed = trie.allowed_mask(beams.tokens)
-            log_probs = scorer.log_probs(hidden[b][tips[b]], beams.level, allowed)
+            log_probs = child_log_probs(scorer, hidden[b], beams.tokens, trie, excluded[b])
             parents, codes, best = top_k_children(beams.scores, log_probs, k)
             active[b] = beams.select(parents, codes + layout.level_start(beams.level), best)
         maybe_compact(cache, active, "target")
@@ -518,12 +566,24 @@ class TrieLogitsProcessor:
     """The same constraint for transformers' ``generate`` (a ``LogitsProcessor``).
 
     ``prompt_width`` is the (left-padded) prompt length; ``renormalize=True``
-    gives ``score_mode="allowed"``, False gives ``"full"``. Used to check our
-    decoder against ``generate`` and for offline runs that call ``generate``.
+    gives ``score_mode="allowed"``, False gives ``"full"``. ``exclude[b]``:
+    catalog rows prompt ``b`` must not get (its dead subtrees are masked after
+    normalizing, as ``beam_search`` does); rows are grouped ``num_beams`` per
+    prompt. Used to check our decoder against ``generate`` and for offline runs
+    that call ``generate``.
     """
 
-    def __init__(self, trie: ItemTrie, prompt_width: int, renormalize: bool = True) -> None:
+    def __init__(
+        self,
+        trie: ItemTrie,
+        prompt_width: int,
+        renormalize: bool = True,
+        exclude: Sequence[Sequence[int]] | None = None,
+        num_beams: int = 1,
+    ) -> None:
         self.trie, self.prompt_width, self.renormalize = trie, prompt_width, renormalize
+        self.dead = excluded_nodes(trie, exclude, len(exclude)) if exclude is not None else None
+        self.num_beams = num_beams
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         generated = input_ids[:, self.prompt_width :]
@@ -535,4 +595,15 @@ class TrieLogitsProcessor:
         else:
             allowed[:, self.trie.layout.eos_token_id] = True
         masked = scores.masked_fill(~allowed, -math.inf)
-        return torch.log_softmax(masked, -1) if self.renormalize else masked
+        out = torch.log_softmax(masked, -1) if self.renormalize else masked
+        if self.dead is not None and level < self.trie.layout.depth:
+            children = self.trie.child_nodes(generated)
+            for b, dead in enumerate(self.dead):
+                if dead is None or not len(dead[level]):
+                    continue
+                beams = slice(b * self.num_beams, (b + 1) * self.num_beams)
+                blocked = torch.isin(children[beams], dead[level])
+                out[beams, rows.start : rows.stop] = out[beams, rows.start : rows.stop].masked_fill(
+                    blocked, -math.inf
+                )
+        return out

@@ -16,7 +16,10 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "strict/relaxed from the prefix cache; print ms/request, model calls, acceptance, HR@K "
         "and whether strict equalled target-only; write JSON and a PNG of speed-up vs K.",
     )  # fmt: skip
-    decode.add_argument("--preset", default="random", help="models from load_models(preset)")
+    decode.add_argument(
+        "--preset", default="random",
+        help="random, tiny, or a trained preset (small, smollm2-135m: the active model version)",
+    )  # fmt: skip
     decode.add_argument("--random", action="store_true", help="random models (preset 'random')")
     decode.add_argument("--users", type=int, default=16, help="users timed per (K, batch size)")
     decode.add_argument("--ks", default="1,5,10,20", help="beam widths, comma-separated")
@@ -57,7 +60,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
     preset = "random" if args.random else args.preset
     try:
         models = load_models(preset, seed=args.seed)
-    except NotImplementedError as exc:
+    except ValueError as exc:
         raise UserFacingError(str(exc)) from exc
     if preset in RANDOM_PRESETS:
         cache = settings.path(

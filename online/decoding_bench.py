@@ -11,9 +11,13 @@ K.
 Models come from ``load_models(preset)``: ``random`` builds a random target
 (4 layers x 256) and draft (1 layer x 128) over a synthetic catalog (the CLI
 first distils the random draft towards the target for ``--align-steps``, cached
-under var/bench/); ``tiny`` is the tests' float64 pair; other presets are the
-hook for trained artifacts. Times are process CPU time by default (``--clock``):
-on a machine shared with other jobs, wall time mostly measures the neighbours.
+under var/bench/); ``tiny`` is the tests' float64 pair. ``small`` and
+``smollm2-135m`` load the ACTIVE trained model version (``genrec offline
+train --preset ...``): its target, AtSpeed-S draft (strict) and AtSpeed-R draft
+(relaxed), its trie, and held-out test users of the store's leave-one-out split
+(their seen items excluded, as in serving and ``genrec eval``), so HR@K is real.
+Times are process CPU time by default (``--clock``): on a machine shared with
+other jobs, wall time mostly measures the neighbours.
 
 Example::
 
@@ -45,6 +49,7 @@ class EvalUser:
     prompt: list[int]
     held_out: int
     suffix_items: int = 2  # newest history items left out of the cached prefix
+    seen: list[int] | None = None  # catalog rows to exclude (None: decode without exclusion)
 
 
 @dataclass
@@ -58,12 +63,15 @@ class BenchModels:
     eval_users: list[EvalUser]
     model_version: str = "random"
     draft_align_steps: int = 0  # distillation steps given to a random draft (0: none)
+    relaxed_draft: torch.nn.Module | None = None  # draft for relaxed mode (default: ``draft``)
+    drafts: tuple[str, str] = ("draft", "draft")  # names of the strict and relaxed drafts
 
 
 # name -> (codes per level, items, target (layers, hidden), draft (layers, hidden), dtype,
 #          users, history items (min, max))
-# Presets the decoding tests run on; add a trained-model preset here once load_models knows it.
+# Presets the decoding tests run on (trained presets need a trained store: not in tests).
 TEST_PRESETS = ("tiny",)
+TRAINED_PRESETS = ("small", "smollm2-135m")
 RANDOM_PRESETS = {
     "tiny": ((24, 8, 8, 4), 300, (2, 64), (1, 32), torch.float64, 8, (1, 8)),
     "random": ((64, 16, 16, 4), 2000, (4, 256), (1, 128), torch.float32, 48, (20, 50)),
@@ -74,13 +82,14 @@ def load_models(preset: str = "random", seed: int = 0) -> BenchModels:
     """(target, draft, layout, trie, eval users) for a preset.
 
     ``tiny`` and ``random`` are random models over a synthetic catalog (tests and
-    ``--random``). Any other name is the hook for trained artifacts: wire it to
-    the model registry (``genrec offline train`` presets ``small``, ``smollm2-135m``).
+    ``--random``); ``small`` and ``smollm2-135m`` the active trained version
+    (``load_trained_models``).
     """
+    if preset in TRAINED_PRESETS:
+        return load_trained_models(preset, seed=seed)
     if preset not in RANDOM_PRESETS:
-        raise NotImplementedError(
-            f"preset {preset!r}: trained models are not wired into the decode bench yet; "
-            f"use one of {sorted(RANDOM_PRESETS)} (or --random)"
+        raise ValueError(
+            f"unknown preset {preset!r}; use one of {sorted(RANDOM_PRESETS) + list(TRAINED_PRESETS)}"
         )
     codes, n_items, target_shape, draft_shape, dtype, n_users, history = RANDOM_PRESETS[preset]
     layout, items = random_catalog(codes, n_items, seed=seed)
@@ -97,6 +106,58 @@ def load_models(preset: str = "random", seed: int = 0) -> BenchModels:
     return BenchModels(
         target, draft, layout, ItemTrie(items, layout), users, f"{preset}-seed{seed}"
     )
+
+
+def load_trained_models(
+    preset: str, seed: int = 0, n_users: int = 64, settings=None, engine=None
+) -> BenchModels:
+    """The active model version of ``settings`` (default: ``get_settings()``) and test users.
+
+    Strict decodes with the AtSpeed-S draft, relaxed with AtSpeed-R (SFT when a
+    variant is missing). Users: ``n_users`` test cases of the store's split
+    (seeded sample), prompt = the model's history window, ``held_out`` = the
+    test item, ``seen`` = the history's items.
+    """
+    import random
+
+    from genrec.infra.database import make_engine
+    from genrec.infra.settings import get_settings
+    from genrec.offline.model_store import NoActiveModels, load_model_version
+    from genrec.offline.splits import load_split
+
+    settings = settings or get_settings()
+    engine = engine if engine is not None else make_engine(settings.database_url)
+    try:
+        models = load_model_version(settings, engine)
+    except NoActiveModels as exc:
+        raise ValueError(f"{exc} (preset {preset!r}, GENREC_HOME={settings.home})") from exc
+    if models.preset != preset:
+        raise ValueError(
+            f"the active model version {models.version} is preset {models.preset!r}, not "
+            f"{preset!r}: run `genrec offline train --preset {preset}` (or pick that home)"
+        )
+    strict_name = next(
+        n for n in ("atspeed_s", "sft", *sorted(models.drafts)) if n in models.drafts
+    )
+    relaxed_name = next(
+        n for n in ("atspeed_r", "sft", *sorted(models.drafts)) if n in models.drafts
+    )
+    index = models.item_tokens.index
+    cases = sorted(
+        (c for c in load_split(engine).test.values() if c.target in index), key=lambda c: c.user_id
+    )
+    random.Random(seed).shuffle(cases)
+    users = []
+    for case in cases[:n_users]:
+        prompt = models.prompt(case.history)
+        n_items = (len(prompt) - 1) // models.layout.depth
+        seen = sorted({index[i] for i in case.history if i in index})
+        users.append(EvalUser(prompt, index[case.target], min(2, n_items - 1), seen))
+    return BenchModels(
+        models.target, models.drafts[strict_name], models.layout, models.tree, users,
+        model_version=f"{preset}-v{models.version}",
+        relaxed_draft=models.drafts[relaxed_name], drafts=(strict_name, relaxed_name),
+    )  # fmt: skip
 
 
 def random_catalog(codes_per_level, n_items: int, seed: int = 0):
@@ -183,6 +244,11 @@ def run_decode_bench(
     # computed offline in production: not timed
     target_kv = compute_prefix_kv(models.target, prefixes, models.model_version)
     draft_kv = compute_prefix_kv(models.draft, prefixes, models.model_version + "-draft")
+    relaxed_kv = draft_kv
+    if models.relaxed_draft is not None and models.relaxed_draft is not models.draft:
+        relaxed_kv = compute_prefix_kv(
+            models.relaxed_draft, prefixes, models.model_version + "-relaxed"
+        )
     rows, lossless = [], True
     jobs = [(k, bs) for bs in batch_sizes for k in ks]
     for k, bs in tqdm(jobs, desc="bench decode", unit="config"):
@@ -190,7 +256,7 @@ def run_decode_bench(
             models,
             users,
             target_kv,
-            draft_kv,
+            (draft_kv, relaxed_kv),
             suffixes,
             k,
             bs,
@@ -208,6 +274,8 @@ def run_decode_bench(
         "n_draft": n_draft,
         "clock": clock,
         "draft_align_steps": models.draft_align_steps,
+        "drafts": {"strict": models.drafts[0], "relaxed": models.drafts[1]},
+        "exclude_seen": any(u.seen is not None for u in users),
         "gamma": decode.gamma,
         "threads": torch.get_num_threads(),
         "device": str(next(models.target.parameters()).device),
@@ -226,7 +294,7 @@ def run_decode_bench(
     return report
 
 
-def _bench_config(models, users, target_kv, draft_kv, suffixes, k, bs, n_draft, decode, clock):
+def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft, decode, clock):
     """One (K, batch size): every mode over the same batches; returns (row, strict == target-only)."""
     from genrec.online.beam_search import beam_search
     from genrec.online.prefix_kv import PrefixBatch
@@ -238,17 +306,21 @@ def _bench_config(models, users, target_kv, draft_kv, suffixes, k, bs, n_draft, 
 
     def run(mode: str, rows: range):
         prompts = [users[i].prompt for i in rows]
+        seen = [users[i].seen for i in rows]
+        exclude = None if all(s is None for s in seen) else [s or [] for s in seen]
         target_batch = PrefixBatch([target_kv[i] for i in rows], [suffixes[i] for i in rows])
+        draft_kv = draft_kvs[mode == "relaxed"]
         draft_batch = PrefixBatch([draft_kv[i] for i in rows], [suffixes[i] for i in rows])
         if mode == "hf_generate":
-            return hf_generate_items(models.target, prompts, trie, k)
+            return hf_generate_items(models.target, prompts, trie, k, exclude=exclude)
         if mode == "target_full":
-            return beam_search(models.target, prompts, trie, layout, k)
+            return beam_search(models.target, prompts, trie, layout, k, exclude=exclude)
         if mode == "target_prefix":
-            return beam_search(models.target, target_batch, trie, layout, k)
+            return beam_search(models.target, target_batch, trie, layout, k, exclude=exclude)
+        draft = models.relaxed_draft if mode == "relaxed" and models.relaxed_draft else models.draft
         return speculative_beam_search(
-            models.target, models.draft, (target_batch, draft_batch), trie, layout, k,
-            n_draft=n_draft, gamma=decode.gamma, mode=mode, generator=generator,
+            models.target, draft, (target_batch, draft_batch), trie, layout, k,
+            n_draft=n_draft, gamma=decode.gamma, mode=mode, generator=generator, exclude=exclude,
         )  # fmt: skip
 
     for mode in MODES:  # warm-up (allocator, kernels)
@@ -326,7 +398,12 @@ def _headline(rows: list[dict], batch_sizes: list[int]) -> dict:
 
 
 def hf_generate_items(
-    model, prompts: list[list[int]], trie: ItemTrie, k: int, renormalize: bool = True
+    model,
+    prompts: list[list[int]],
+    trie: ItemTrie,
+    k: int,
+    renormalize: bool = True,
+    exclude: list[list[int]] | None = None,
 ) -> SimpleNamespace:
     """transformers' ``generate`` with the trie constraint (renormalize: ``"allowed"``, else ``"full"``)."""
     from transformers import LogitsProcessorList
@@ -349,7 +426,9 @@ def hf_generate_items(
             num_return_sequences=k,
             max_new_tokens=layout.depth,
             do_sample=False,
-            logits_processor=LogitsProcessorList([TrieLogitsProcessor(trie, width, renormalize)]),
+            logits_processor=LogitsProcessorList(
+                [TrieLogitsProcessor(trie, width, renormalize, exclude, num_beams=k)]
+            ),
             pad_token_id=layout.pad_token_id,
             eos_token_id=layout.eos_token_id,
         )
@@ -472,7 +551,8 @@ def print_report(report: dict) -> None:
         f"preset {report['preset']}: {report['users']} users, prompt ~{report['mean_prompt_tokens']:.0f} "
         f"tokens, suffix ~{report['suffix_tokens']:.0f}, N={report['n_draft']}, gamma={report['gamma']}, "
         f"{report['threads']} threads on {report['device']}, {report['clock']} clock, "
-        f"random draft distilled {report['draft_align_steps']} steps"
+        f"drafts {report['drafts']}, random draft distilled {report['draft_align_steps']} steps, "
+        f"seen items excluded: {report['exclude_seen']}"
     )
     print(f"{'bs':>3} {'K':>3} {'mode':<14} {'ms/req':>8} {'x tgt':>6} {'x hf':>6} {'tgt':>5} "
           f"{'draft':>5} {'acc':>5} {'HR@K':>5}  target calls")  # fmt: skip

@@ -236,7 +236,8 @@ class Recommender:
         ]
         metrics.STAGE_LATENCY.labels(stage="prefix_kv").observe(time.perf_counter() - started)
         started = time.perf_counter()
-        beam_width = self.settings.beam_width or 2 * self.settings.k
+        # seen items are excluded inside the beam search, so K beams give K unseen items
+        beam_width = self.settings.beam_width or self.settings.k
         try:
             batch = decoder.decode(gen_requests, beam_width)
         except Exception:
@@ -433,8 +434,10 @@ class ModelDecoder:
         self.history_items = models.history_items
         self.layout = models.layout
         self.device = torch.device(getattr(models, "device", "cpu"))
-        table = torch.as_tensor(self.item_tokens.table, device=self.device)
-        self.trie = ItemTrie(table, self.layout)
+        self.trie = getattr(models, "tree", None)  # GenerativeModels already holds its trie
+        if not isinstance(self.trie, ItemTrie):
+            table = torch.as_tensor(self.item_tokens.table, device=self.device)
+            self.trie = ItemTrie(table, self.layout)
         self.draft = _pick_draft(models.drafts, settings)
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
@@ -457,21 +460,25 @@ class ModelDecoder:
                 requests[i].prefix_kv.prompt_ids + list(requests[i].suffix_tokens)
                 for i in with_prefix
             ]
-            result = self._search(target_batch, draft_prompts, beam_width)
+            exclude = [requests[i].exclude for i in with_prefix]
+            result = self._search(target_batch, draft_prompts, beam_width, exclude)
             self._collect(result, with_prefix, requests, beam_width, items, stats)
         if without:
             prompts = [requests[i].full_prompt for i in without]
-            result = self._search(prompts, prompts, beam_width)
+            exclude = [requests[i].exclude for i in without]
+            result = self._search(prompts, prompts, beam_width, exclude)
             self._collect(result, without, requests, beam_width, items, stats)
         return GenerativeBatch(items, stats)
 
-    def _search(self, target_prompts, draft_prompts, beam_width: int):
+    def _search(self, target_prompts, draft_prompts, beam_width: int, exclude):
+        """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
         if self.draft is None:
             from genrec.online.beam_search import beam_search
 
             return beam_search(
-                self.models.target, target_prompts, self.trie, self.layout, beam_width
-            )
+                self.models.target, target_prompts, self.trie, self.layout, beam_width,
+                exclude=exclude,
+            )  # fmt: skip
         from genrec.online.speculative import speculative_beam_search
 
         if target_prompts is not draft_prompts:
@@ -480,7 +487,7 @@ class ModelDecoder:
             self.models.target, self.draft, target_prompts, self.trie, self.layout,
             k=beam_width, n_draft=max(self.settings.draft_beams, beam_width),
             gamma=self.settings.gamma, mode=self.settings.mode, generator=self.generator,
-            monitor=self.monitor,
+            monitor=self.monitor, exclude=exclude,
         )  # fmt: skip
 
     def _collect(self, result, rows, requests, beam_width, items, stats) -> None:

@@ -33,6 +33,9 @@ tree vs 26.4 ms as batch expansion; a target-only step (K nodes) 4.4 ms.
 
 Why g = min(gamma, depth - t - 1): step g+1 is the free bonus from the same
 call, so drafting the last remaining level would only add N nodes to verify.
+For the same reason drafting stops early once every drafted path "settles in
+one" (each of its children holds a single item, as the dedup level of semantic
+IDs mostly does): the bonus step then decides the items and the rest is forced.
 
 ``AcceptanceMonitor`` watches acceptance over a window of requests and switches
 to target-only decoding when it collapses (a draft no longer aligned with the
@@ -47,6 +50,7 @@ Example::
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,6 +68,9 @@ from genrec.online.beam_search import (
     assemble,
     beam_search,
     check_inputs,
+    child_log_probs,
+    excluded_nodes,
+    feed_beams,
     fill_single_children,
     initial_beams,
     maybe_compact,
@@ -131,12 +138,15 @@ def speculative_beam_search(
     generator: torch.Generator | None = None,
     score_mode: ScoreMode = "allowed",
     monitor: AcceptanceMonitor | None = None,
+    exclude: Sequence[Sequence[int]] | None = None,
 ) -> DecodeResult:
     """Top-``k`` valid items per user.
 
     ``prompts``: token-id lists; or a target ``PrefixBatch`` (the draft then
     prefills the full prompts itself); or a (target, draft) pair of those.
-    ``generator`` seeds relaxed sampling (default: seed 0).
+    ``generator`` seeds relaxed sampling (default: seed 0). ``exclude[b]``:
+    catalog rows user ``b`` must not get, masked as in ``beam_search`` for the
+    target and the draft alike.
     """
     if mode not in ("strict", "relaxed"):
         raise ValueError(f"mode must be 'strict' or 'relaxed', got {mode!r}")
@@ -145,9 +155,10 @@ def speculative_beam_search(
     target_prompts, draft_prompts = _split_prompts(prompts)
     trie = check_inputs(target, target_prompts, layout, trie, k)
     if monitor is not None and not monitor.use_speculative():
-        return beam_search(target, target_prompts, trie, layout, k, score_mode)
+        return beam_search(target, target_prompts, trie, layout, k, score_mode, exclude)
     generator = generator or torch.Generator().manual_seed(0)
     engine = _Speculation(target, draft, target_prompts, draft_prompts, trie, layout, score_mode)
+    engine.excluded = excluded_nodes(trie, exclude, engine.n_users)
     result = engine.run(k, n_draft, gamma, mode, generator)
     if monitor is not None:
         for stats in result.stats:
@@ -182,6 +193,7 @@ class _Speculation:
             raise ValueError("target and draft prompts differ in length")
         self.n_users = len(self.target_cache.pending)
         self.stats = [DecodeStats(speculative=True) for _ in range(self.n_users)]
+        self.excluded: list[list[torch.Tensor] | None] = [None] * self.n_users
 
     def run(
         self, k: int, n_draft: int, gamma: int, mode: Mode, generator: torch.Generator
@@ -192,19 +204,25 @@ class _Speculation:
         while active:
             for b in list(active):
                 if self.score_mode == "allowed":
-                    active[b] = fill_single_children(active[b], self.trie, self.stats[b])
+                    active[b] = fill_single_children(
+                        active[b], self.trie, self.stats[b], self.excluded[b]
+                    )
                 if active[b].level == self.layout.depth:
                     finished[b] = active.pop(b)
             if not active:
                 break
-            lengths = {
-                b: min(gamma, self.layout.depth - beams.level - 1) for b, beams in active.items()
-            }
+            lengths = {b: self._draft_length(beams, gamma) for b, beams in active.items()}
             drafts = self._draft(active, lengths, n_draft)
             active = self._verify(active, drafts, k, mode, generator)
             maybe_compact(self.target_cache, active, "target")
             maybe_compact(self.draft_cache, active, "draft")
         return assemble([finished[b] for b in range(self.n_users)], self.trie, k, self.stats)
+
+    def _draft_length(self, beams: Beams, gamma: int) -> int:
+        """g = min(gamma, depth - t - 1); 0 when one target step decides every item anyway."""
+        if bool(self.trie.settles_in_one(beams.tokens).all()):
+            return 0
+        return min(gamma, self.layout.depth - beams.level - 1)
 
     def _draft(
         self, roots: dict[int, Beams], lengths: dict[int, int], n_draft: int
@@ -217,24 +235,15 @@ class _Speculation:
         steps: dict[int, list[DraftStep]] = {b: [] for b in roots}
         for j in range(1, max(lengths.values(), default=0) + 1):
             users = [b for b in roots if lengths[b] >= j]
-            builders, tips, nodes = {}, {}, {}
-            for b in users:
-                builders[b], prompt_tip = cache.builder(b)
-                tips[b], nodes[b] = add_beam_tips(
-                    builders[b], current[b], "draft", cache.prompt_len[b], prompt_tip
-                )
-            offset = cache.length
-            hidden = cache.forward(builders)
+            hidden = feed_beams(cache, {b: current[b] for b in users}, "draft")
             for b in users:
                 self.stats[b].draft_calls += 1
                 beams = current[b]
-                beams.slots["draft"] = torch.where(
-                    nodes[b] >= 0, offset + nodes[b], beams.slots["draft"]
-                )
                 if j == 1:
                     roots[b].slots["draft"] = beams.slots["draft"]
-                allowed = self.trie.allowed_mask(beams.tokens)
-                log_probs = scorer.log_probs(hidden[b][tips[b]], beams.level, allowed)
+                log_probs = child_log_probs(
+                    scorer, hidden[b], beams.tokens, self.trie, self.excluded[b]
+                )
                 candidates = beams.scores[:, None] + log_probs
                 q = torch.softmax(candidates.flatten(), 0).view_as(candidates)
                 parents, codes, best = top_k_children(beams.scores, log_probs, n_draft)
@@ -242,6 +251,9 @@ class _Speculation:
                     parents, codes + self.layout.level_start(beams.level), best
                 )
                 steps[b].append(DraftStep(parents, codes, current[b], q))
+                if j < lengths[b] and bool(self.trie.settles_in_one(current[b].tokens).all()):
+                    # the bonus step decides every drafted path's item: drafting on is waste
+                    lengths[b] = j
         return steps
 
     def _verify(self, roots, drafts, k, mode, generator) -> dict[int, Beams]:
@@ -272,6 +284,7 @@ class _Speculation:
                 root_nodes[b] >= 0, offset + root_nodes[b], beams.slots["target"]
             )
             walk = _Walk(self, beams, hidden[b], tips[b], drafts[b], tree_nodes[b], offset)
+            walk.excluded = self.excluded[b]
             out[b] = walk.run(k, mode, generator, self.stats[b])
         return out
 
@@ -284,6 +297,7 @@ class _Walk:
     ) -> None:
         self.spec, self.roots, self.hidden, self.steps = spec, roots, hidden, steps
         self.nodes = [tips] + nodes  # builder node of each root beam, then of each D_j node
+        self.excluded: list[torch.Tensor] | None = None
         # the target-cache slot path of every D_j node
         self.target_paths = []
         path = roots.slots["target"]
@@ -302,8 +316,8 @@ class _Walk:
         index = torch.arange(len(scores), device=scores.device)  # current beams as nodes of D_{j-1}
         for j in range(1, len(self.steps) + 2):
             level = tokens.shape[1]
-            log_probs = scorer.log_probs(
-                self._hidden(j - 1, index), level, trie.allowed_mask(tokens)
+            log_probs = child_log_probs(
+                scorer, self._hidden(j - 1, index), tokens, trie, self.excluded
             )
             if j > len(self.steps):
                 parents, codes, best = top_k_children(scores, log_probs, k)
@@ -385,3 +399,69 @@ def _relaxed_step(scores, log_probs, index, step: DraftStep, k: int, generator: 
     chosen = torch.cat([accepted_keys, sampled.to(keys.device)])
     chosen = chosen[candidates[chosen].argsort(descending=True)]
     return chosen // n_codes, chosen % n_codes, candidates[chosen], None
+
+
+@torch.no_grad()
+def strict_acceptance_per_level(
+    target,
+    draft,
+    prompts: list[list[int]],
+    trie: ItemTrie,
+    layout: TokenLayout,
+    k: int,
+    n_draft: int = 40,
+    score_mode: ScoreMode = "allowed",
+    exclude: Sequence[Sequence[int]] | None = None,
+) -> tuple[DecodeResult, list[list[bool]]]:
+    """Target-only beam search, and per level per user: would strict verification accept the draft?
+
+    At every level the draft expands the target's own K beams exactly as the
+    first step of a speculative round does (target beam scores + draft
+    log-probs, top ``n_draft``); the level is accepted when every (parent,
+    token) of the target's top-K is among them. Levels where every beam has a
+    single valid child count as accepted. Returns (the target's result, equal
+    to ``beam_search``; ``accepted[level][user]``). A draft-alignment signal
+    per level, free of the round structure that ``DecodeStats.acceptance`` has.
+    """
+    trie = check_inputs(target, prompts, layout, trie, k)
+    target_scorer = ItemScorer(target, layout, score_mode)
+    draft_scorer = ItemScorer(draft, layout, score_mode)
+    caches = {"target": TreeCache(target, prompts), "draft": TreeCache(draft, prompts)}
+    n_users = len(prompts)
+    device = caches["target"].device
+    excluded = excluded_nodes(trie, exclude, n_users)
+    names = ("target", "draft")
+    active = {b: initial_beams(device, target_scorer.dtype, names) for b in range(n_users)}
+    finished: dict[int, Beams] = {}
+    stats = [DecodeStats() for _ in range(n_users)]
+    accepted = [[True] * n_users for _ in range(layout.depth)]
+    while active:
+        for b in list(active):
+            if score_mode == "allowed":
+                active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
+            if active[b].level == layout.depth:
+                finished[b] = active.pop(b)
+        if not active:
+            break
+        hidden = {name: feed_beams(caches[name], active, name) for name in names}
+        for b, beams in active.items():
+            stats[b].target_calls += 1
+            stats[b].draft_calls += 1
+            level = beams.level
+            log_probs = child_log_probs(target_scorer, hidden["target"][b], beams.tokens, trie,
+                                        excluded[b])  # fmt: skip
+            draft_log_probs = child_log_probs(draft_scorer, hidden["draft"][b], beams.tokens,
+                                              trie, excluded[b])  # fmt: skip
+            parents, codes, best = top_k_children(beams.scores, log_probs, k)
+            drafted_parents, drafted_codes, _ = top_k_children(
+                beams.scores, draft_log_probs, n_draft
+            )
+            width = log_probs.shape[1]
+            accepted[level][b] = bool(
+                torch.isin(parents * width + codes, drafted_parents * width + drafted_codes).all()
+            )
+            active[b] = beams.select(parents, codes + layout.level_start(level), best)
+        for name in names:
+            maybe_compact(caches[name], active, name)
+    result = assemble([finished[b] for b in range(n_users)], trie, k, stats)
+    return result, accepted

@@ -8,6 +8,14 @@ trie node keeps a boolean row over the codes of the next level.
 Masks are level-local: column ``c`` of ``allowed_mask(prefixes)`` for prefixes
 of length ``d`` means token ``layout.level_start(d) + c``.
 
+``children[d][node, c]`` is the node of level d+1 reached from ``node`` by code
+``c`` (-1 if no item has that prefix); at the last level it is the item's row
+in ``item_tokens``. Node ids are the ranks of the sorted prefix keys, so node 0
+of level 0 is the root. ``child_nodes`` looks them up for whole prefixes (e.g.
+the items one step away). ``dead_nodes(rows)`` finds the nodes all of whose
+items are in ``rows``: masking those at every level keeps a beam search from
+spending beams on items a user has already seen.
+
 Example::
 
     >>> import torch
@@ -52,29 +60,46 @@ class ItemTrie:
 
     def _build(self, codes: torch.Tensor) -> None:
         # keys_by_level[d]: sorted unique keys of the length-d prefixes (d = 0 .. depth)
-        # children[d]: BoolTensor[n_nodes_d, C_d], the codes that may follow node i of level d
+        # allowed[d]: BoolTensor[n_nodes_d, C_d], the codes that may follow node i of level d
+        # children[d]: LongTensor[n_nodes_d, C_d], the node they lead to (the item row at the end)
         depth = self.layout.depth
         keys = torch.zeros(self.n_items, dtype=torch.long)
+        parent_of_item = torch.zeros(self.n_items, dtype=torch.long)  # node of the previous level
         self.keys_by_level: list[torch.Tensor] = []
+        self.allowed: list[torch.Tensor] = []
         self.children: list[torch.Tensor] = []
+        self.items_under: list[torch.Tensor] = []  # [d]: items below each node of level d
         for level in range(depth + 1):
             unique_keys, node_of_item = torch.unique(keys, return_inverse=True)
             self.keys_by_level.append(unique_keys.to(self.device))
+            self.items_under.append(torch.bincount(node_of_item, minlength=len(unique_keys)))
             if level == depth:
                 if len(unique_keys) != self.n_items:
                     raise ValueError("the catalog holds duplicate semantic IDs")
                 item_of_node = torch.empty(self.n_items, dtype=torch.long)
                 item_of_node[node_of_item] = torch.arange(self.n_items)
                 self.item_of_leaf = item_of_node.to(self.device)
+                self.children[-1][parent_of_item, codes[:, -1]] = torch.arange(self.n_items)
                 break
-            mask = torch.zeros(
-                len(unique_keys), self.layout.codes_per_level[level], dtype=torch.bool
-            )
+            if level:
+                self.children[-1][parent_of_item, codes[:, level - 1]] = node_of_item
+            shape = (len(unique_keys), self.layout.codes_per_level[level])
+            mask = torch.zeros(shape, dtype=torch.bool)
             mask[node_of_item, codes[:, level]] = True
-            self.children.append(mask.to(self.device))
+            self.allowed.append(mask)
+            self.children.append(torch.full(shape, -1, dtype=torch.long))
+            parent_of_item = node_of_item
             keys = keys * self.layout.codes_per_level[level] + codes[:, level]
-        self.child_counts = [mask.sum(1) for mask in self.children]
-        self.first_child = [mask.to(torch.int8).argmax(1) for mask in self.children]
+        self.allowed = [mask.to(self.device) for mask in self.allowed]
+        self.children = [table.to(self.device) for table in self.children]
+        self.items_under = [count.to(self.device) for count in self.items_under]
+        self.child_counts = [mask.sum(1) for mask in self.allowed]
+        # settles[d]: every child of the node holds one item (one more token decides the item)
+        self.settles = [
+            ((table < 0) | (self.items_under[d + 1][table.clamp(min=0)] == 1)).all(1)
+            for d, table in enumerate(self.children)
+        ]
+        self.first_child = [mask.to(torch.int8).argmax(1) for mask in self.allowed]
 
     def _node_ids(self, prefixes: torch.Tensor) -> torch.Tensor:
         """Trie node of each prefix (LongTensor[B]); -1 where the prefix is not a valid one."""
@@ -99,8 +124,17 @@ class ItemTrie:
         if d >= self.layout.depth:
             raise ValueError("a complete item has no next token")
         nodes = self._node_ids(prefixes)
-        mask = self.children[d][nodes.clamp(min=0)]
+        mask = self.allowed[d][nodes.clamp(min=0)]
         return mask & (nodes >= 0)[:, None]
+
+    def child_nodes(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """LongTensor[B, C_d]: node each code of level d leads to (item rows at the last level), -1 if none."""
+        d = prefixes.shape[1]
+        if d >= self.layout.depth:
+            raise ValueError("a complete item has no next token")
+        nodes = self._node_ids(prefixes)
+        table = self.children[d][nodes.clamp(min=0)]
+        return torch.where((nodes >= 0)[:, None], table, torch.full_like(table, -1))
 
     def child_count(self, prefixes: torch.Tensor) -> torch.Tensor:
         """LongTensor[B]: how many tokens may follow each prefix (0 for an invalid prefix)."""
@@ -112,11 +146,29 @@ class ItemTrie:
         """BoolTensor[B]: the prefix has exactly one valid continuation."""
         return self.child_count(prefixes) == 1
 
+    def settles_in_one(self, prefixes: torch.Tensor) -> torch.Tensor:
+        """BoolTensor[B]: one more token decides the item (every child leads to a single item)."""
+        nodes = self._node_ids(prefixes)
+        return self.settles[prefixes.shape[1]][nodes.clamp(min=0)] & (nodes >= 0)
+
     def only_child(self, prefixes: torch.Tensor) -> torch.Tensor:
         """LongTensor[B]: the token id of the first valid continuation (the only one when single)."""
         d = prefixes.shape[1]
         nodes = self._node_ids(prefixes).clamp(min=0)
         return self.first_child[d][nodes].long() + self.layout.level_start(d)
+
+    def dead_nodes(self, item_rows: torch.Tensor) -> list[torch.Tensor]:
+        """Per level d: the nodes ``child_nodes`` of a length-d prefix may name whose items all
+        lie in ``item_rows`` (at the last level: the item rows themselves)."""
+        rows = torch.as_tensor(item_rows, dtype=torch.long, device=self.device).unique()
+        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_items):
+            raise ValueError(f"item rows must lie in [0, {self.n_items})")
+        tokens = self.item_tokens[rows]
+        dead = []
+        for d in range(1, self.layout.depth):
+            nodes, counts = self._node_ids(tokens[:, :d]).unique(return_counts=True)
+            dead.append(nodes[counts == self.items_under[d][nodes]])
+        return dead + [rows]
 
     def item_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """LongTensor[B]: row of each complete item in ``item_tokens``, -1 if not an item."""
@@ -132,11 +184,12 @@ class ItemTrie:
         """The same trie with its tensors on ``device`` (``self`` if already there)."""
         if torch.device(device) == self.device:
             return self
-        clone = object.__new__(ItemTrie)
+        clone = object.__new__(type(self))
         clone.__dict__.update(self.__dict__)
         clone.device = torch.device(device)
         for name in ("item_tokens", "item_of_leaf"):
             setattr(clone, name, getattr(self, name).to(device))
-        for name in ("keys_by_level", "children", "child_counts", "first_child"):
+        names = ("keys_by_level", "allowed", "children", "items_under", "child_counts")
+        for name in (*names, "first_child", "settles"):
             setattr(clone, name, [t.to(device) for t in getattr(self, name)])
         return clone

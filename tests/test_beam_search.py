@@ -73,3 +73,59 @@ def test_bad_input_is_refused(case: BenchModels):
         beam_search(case.target, [[1]], case.trie, case.layout, 0)
     with pytest.raises(ValueError):
         beam_search(case.target, [[1]], case.trie, case.layout, 3, score_mode="bogus")
+
+
+def test_dead_nodes_are_the_subtrees_of_excluded_items_only(case):
+    trie = case.trie
+    rows = torch.arange(0, trie.n_items, 3)
+    dead = trie.dead_nodes(rows)
+    assert torch.equal(dead[-1], rows)
+    excluded = set(rows.tolist())
+    for d in range(1, case.layout.depth):
+        prefixes = trie.item_tokens[:, :d].unique(dim=0)
+        nodes = trie._node_ids(prefixes)
+        for prefix, node in zip(prefixes, nodes.tolist(), strict=True):
+            below = (trie.item_tokens[:, :d] == prefix).all(1).nonzero()[:, 0].tolist()
+            assert (node in dead[d - 1].tolist()) == (set(below) <= excluded)
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, k: int):
+    from transformers import LogitsProcessorList
+
+    from genrec.online.beam_search import TrieLogitsProcessor
+
+    prompts = [u.prompt for u in case.eval_users[:4]]
+    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    # exclude some of each user's would-be top items (and one user nothing)
+    exclude = [row[::2].tolist() for row in plain.item_index[:3]] + [[]]
+    result = beam_search(case.target, prompts, case.trie, case.layout, k, exclude=exclude)
+    assert (result.item_index >= 0).all()  # K beams still give K unseen items
+    for row, seen in zip(result.item_index.tolist(), exclude, strict=True):
+        assert not set(row) & set(seen)
+    assert torch.equal(result.tokens[3], plain.tokens[3])
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), case.layout.pad_token_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+    out = case.target.generate(
+        ids, attention_mask=(ids != case.layout.pad_token_id).long(), num_beams=k,
+        num_return_sequences=k, max_new_tokens=case.layout.depth, do_sample=False,
+        logits_processor=LogitsProcessorList(
+            [TrieLogitsProcessor(case.trie, width, exclude=exclude, num_beams=k)]
+        ),
+        pad_token_id=case.layout.pad_token_id, eos_token_id=case.layout.eos_token_id,
+    )  # fmt: skip
+    expected = out[:, width : width + case.layout.depth].reshape(len(prompts), k, -1)
+    assert torch.equal(result.tokens, expected)
+    # the items both lists hold keep their scores
+    for row in range(len(prompts)):
+        for item, score in zip(result.item_index[row], result.scores[row], strict=True):
+            same = (plain.item_index[row] == item).nonzero()
+            if len(same):
+                torch.testing.assert_close(score, plain.scores[row, same[0, 0]])
+
+
+def test_exclude_must_match_the_users(case):
+    with pytest.raises(ValueError, match="exclude"):
+        beam_search(case.target, [case.eval_users[0].prompt], case.trie, case.layout, 3, exclude=[])

@@ -121,3 +121,43 @@ def test_bad_arguments_are_refused(case: BenchModels):
         speculative_beam_search(
             case.target, case.draft, prompt, case.trie, case.layout, 3, mode="x"
         )
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_strict_with_excluded_items_equals_target_only(case: BenchModels, k: int):
+    prompts = [u.prompt for u in case.eval_users[:4]]
+    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    exclude = [row[:2].tolist() + row[-1:].tolist() for row in plain.item_index]
+    reference = beam_search(case.target, prompts, case.trie, case.layout, k, exclude=exclude)
+    result = speculative_beam_search(
+        case.target, case.draft, prompts, case.trie, case.layout, k, exclude=exclude
+    )
+    assert torch.equal(result.tokens, reference.tokens)
+    relaxed = speculative_beam_search(
+        case.target, case.draft, prompts, case.trie, case.layout, k, mode="relaxed",
+        exclude=exclude,
+    )  # fmt: skip
+    for row, seen in zip(relaxed.item_index.tolist(), exclude, strict=True):
+        assert not set(row) & set(seen)
+
+
+def test_strict_acceptance_per_level(case: BenchModels):
+    from genrec.online.speculative import strict_acceptance_per_level
+
+    prompts = [u.prompt for u in case.eval_users]
+    reference = beam_search(case.target, prompts, case.trie, case.layout, 5)
+    itself, accepted = strict_acceptance_per_level(
+        case.target, case.target, prompts, case.trie, case.layout, 5, n_draft=5
+    )
+    assert torch.equal(itself.tokens, reference.tokens)
+    assert len(accepted) == case.layout.depth and all(all(level) for level in accepted)
+    result, accepted = strict_acceptance_per_level(
+        case.target, case.draft, prompts, case.trie, case.layout, 5, n_draft=5
+    )
+    assert torch.equal(result.tokens, reference.tokens)
+    assert [len(level) for level in accepted] == [len(prompts)] * case.layout.depth
+    assert not all(all(level) for level in accepted)  # a random draft disagrees somewhere
+    wide = strict_acceptance_per_level(
+        case.target, case.draft, prompts, case.trie, case.layout, 5, n_draft=100
+    )[1]
+    assert (torch.tensor(wide) >= torch.tensor(accepted)).all()  # more drafted, more accepted

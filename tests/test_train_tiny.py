@@ -138,8 +138,11 @@ def test_saved_artifacts_reload_with_identical_topk(store, semantic_ids, tmp_pat
     assert [[i for i, _ in row] for row in after] == [[i for i, _ in row] for row in before]
     assert np.allclose([[s for _, s in row] for row in after], [[s for _, s in row] for row in before],
                        atol=1e-4)  # fmt: skip
-    assert recommend_generative(reloaded, cases, 10, which="sft") == recommend_generative(
-        in_memory, cases, 10, which="sft")  # fmt: skip
+    sft_after = recommend_generative(reloaded, cases, 10, which="sft")
+    sft_before = recommend_generative(in_memory, cases, 10, which="sft")
+    assert [[i for i, _ in row] for row in sft_after] == [[i for i, _ in row] for row in sft_before]
+    assert np.allclose([[s for _, s in row] for row in sft_after],
+                       [[s for _, s in row] for row in sft_before], atol=1e-4)  # fmt: skip
 
 
 def test_cli_registers_offline_train():
@@ -147,3 +150,5 @@ def test_cli_registers_offline_train():
 
     args = build_parser().parse_args(["offline", "train", "--preset", "tiny", "--max-steps", "3"])
     assert args.preset == "tiny" and args.max_steps == 3 and callable(args.handler)
+    assert not args.train_only
+    assert build_parser().parse_args(["offline", "train", "--train-only"]).train_only

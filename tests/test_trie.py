@@ -64,3 +64,26 @@ def test_bad_catalogs_are_refused():
         ItemTrie(torch.tensor([[0, 5]]), layout)
     with pytest.raises(ValueError, match="must be"):
         ItemTrie(torch.tensor([4, 8]), layout)
+
+
+def test_child_nodes_follow_the_trie_down_to_item_rows(catalog):
+    layout, items, trie = catalog
+    catalog_rows = [tuple(r) for r in items.tolist()]
+    for d in range(layout.depth):
+        unique = sorted({r[:d] for r in catalog_rows})
+        prefixes = torch.tensor(unique, dtype=torch.long).reshape(len(unique), d)
+        children = trie.child_nodes(prefixes)
+        assert torch.equal(children >= 0, trie.allowed_mask(prefixes))
+        if d == layout.depth - 1:
+            for row, prefix in enumerate(prefixes.tolist()):
+                for code, item in enumerate(children[row].tolist()):
+                    token = layout.level_start(d) + code
+                    expected = catalog_rows.index((*prefix, token)) if item >= 0 else -1
+                    assert item == expected
+    # the table walks like the keys: root -> ... -> item row
+    for row, tokens in enumerate(catalog_rows):
+        node = 0
+        for d, token in enumerate(tokens):
+            node = int(trie.children[d][node, token - layout.level_start(d)])
+        assert node == row
+    assert trie.child_nodes(torch.tensor([[0]])).eq(-1).all()  # an invalid prefix

@@ -1,0 +1,26 @@
+"""``genrec bench decode`` on a trained model version: tiny preset trained on real ML-100K users."""
+
+from __future__ import annotations
+
+import pytest
+from test_train_tiny import semantic_ids, store, tiny_settings  # noqa: F401 (fixtures)
+
+from genrec.infra.settings import DecodeSettings
+from genrec.offline.train_cli import train_models
+from genrec.online.decoding_bench import load_trained_models, run_decode_bench
+
+
+@pytest.mark.slow
+def test_bench_runs_on_the_active_trained_version(store, semantic_ids, tmp_path):  # noqa: F811
+    settings = tiny_settings(tmp_path)
+    train_models(settings, store, semantic_ids=semantic_ids, progress=False)
+    with pytest.raises(ValueError, match="not 'small'"):
+        load_trained_models("small", settings=settings, engine=store)
+    models = load_trained_models("tiny", n_users=6, settings=settings, engine=store)
+    assert models.drafts == ("atspeed_s", "atspeed_r")
+    assert all(u.seen and u.held_out not in u.seen for u in models.eval_users)
+    report = run_decode_bench(models, ks=[5], batch_sizes=[3], n_users=6, decode=DecodeSettings())
+    assert report["lossless"] and report["exclude_seen"]
+    row = report["rows"][0]
+    assert row["hf_equals_target_only_users"] == 1.0
+    assert 0.0 <= row["strict"]["hr_at_k"] <= 1.0 and row["strict"]["acceptance"] is not None
