@@ -3,7 +3,8 @@
 Two methods, both deduplicating by item id:
 
 - ``"rrf"`` (default): weighted reciprocal-rank fusion; an item's fused score is
-  ``sum_b weight_b / (rrf_k + rank_b)`` over the lists b that hold it (rank from 1).
+  ``sum_b weight_b / (rrf_k + rank_b)`` over the lists b that hold it (rank from 1);
+  a list of weight 0 only fills the slots the weighted lists leave empty.
   Scores of different branches are not comparable; ranks are.
 - ``"quota"``: take lists in the given order, round-robin, each giving at most
   ``quota_b`` items, until k items are chosen; leftover slots are filled from the
@@ -72,7 +73,19 @@ def _reciprocal_rank_fusion(
             first_seen.setdefault(item_id, (rank, list_position))
     # ties: better best rank first, then earlier list, so the result is deterministic
     order = sorted(fused, key=lambda item: (-fused[item], first_seen[item]))
-    return [(item_id, fused[item_id]) for item_id in order[:k]]
+    merged = [(item_id, fused[item_id]) for item_id in order[:k]]
+    # Zero-weight lists only fill what the weighted ones leave empty (a new user may
+    # have nothing but popularity): the list is never shorter than what is available.
+    backfill = [ranked for name, ranked in lists.items() if float(weights.get(name, 1.0)) <= 0]
+    chosen = {item_id for item_id, _ in merged}
+    for rank in range(max((len(ranked) for ranked in backfill), default=0)):
+        for ranked in backfill:
+            if len(merged) >= k:
+                return merged
+            if rank < len(ranked) and ranked[rank][0] not in chosen:
+                chosen.add(ranked[rank][0])
+                merged.append((ranked[rank][0], 0.0))
+    return merged
 
 
 def _quota_merge(

@@ -19,7 +19,9 @@ def test_rrf_sums_reciprocal_ranks_and_dedupes():
 def test_rrf_weights_and_absent_lists():
     lists = {"a": [("x", 1.0)], "b": [("y", 1.0)]}
     assert ids(merge_lists(lists, k=2, weights={"b": 2.0, "generative": 5.0})) == ["y", "x"]
-    assert ids(merge_lists(lists, k=2, weights={"a": 0.0})) == ["y"]  # weight 0 drops a list
+    # weight 0: the list only fills slots the weighted lists leave empty
+    assert ids(merge_lists(lists, k=2, weights={"a": 0.0})) == ["y", "x"]
+    assert ids(merge_lists(lists, k=1, weights={"a": 0.0})) == ["y"]
     # equal fused scores: the earlier list wins, deterministically
     assert ids(merge_lists(lists, k=2)) == ["x", "y"]
     assert ids(merge_lists(lists, k=1)) == ["x"]
@@ -45,3 +47,11 @@ def test_bad_arguments():
         merge_lists({"a": []}, k=3, method="borda")
     assert merge_lists({}, k=3) == []
     assert merge_lists({}, k=3, method="quota") == []
+
+
+def test_zero_weight_lists_only_fill_the_remaining_slots():
+    lists = {"generative": [("a", 1.0)], "popularity": [("p", 9.0), ("a", 8.0), ("q", 7.0)]}
+    merged = merge_lists(lists, k=3, weights={"generative": 1.0, "popularity": 0.0})
+    assert [item for item, _ in merged] == ["a", "p", "q"]
+    only_zero = merge_lists({"popularity": [("p", 1.0)]}, k=2, weights={"popularity": 0.0})
+    assert [item for item, _ in only_zero] == ["p"]
