@@ -59,3 +59,37 @@ def load_ml100k() -> MovieLens:
     items.loc[items["title"] == "unkonwn", "title"] = ""
     items["genres"] = items["genres"].replace("unknown", "")
     return MovieLens(events=events, items=items)
+
+
+def store_ml100k(engine) -> None:
+    """ML-100K's items and rating events into an empty store, as replay + ingest would write
+    them (event ids ``ml-100k-{file_row}``, type ``rate``), without Kafka: for benchmarks and
+    tests that need the real data in a store quickly."""
+    from sqlalchemy import insert
+
+    from genrec.schemas.tables import events, items
+
+    dataset = load_ml100k()
+    item_rows = [
+        {
+            "item_id": row.item_id,
+            "title": row.title or None,
+            "year": None if pd.isna(row.year) else int(row.year),
+            "genres": row.genres or None,
+        }
+        for row in dataset.items.itertuples()
+    ]
+    event_rows = [
+        {
+            "event_id": f"ml-100k-{row.file_row}",
+            "user_id": row.user_id,
+            "item_id": row.item_id,
+            "event_type": "rate",
+            "ts_ms": int(row.timestamp) * 1000,
+            "value": float(row.rating),
+        }
+        for row in dataset.events.itertuples()
+    ]
+    with engine.begin() as connection:
+        connection.execute(insert(items), item_rows)
+        connection.execute(insert(events), event_rows)

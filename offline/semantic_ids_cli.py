@@ -111,6 +111,7 @@ def _ml100k_build() -> tuple[float, object]:
     """A cold full build (fresh embedding cache) on ML-100K in a throwaway store."""
     from genrec.infra.database import make_engine
     from genrec.infra.settings import Settings
+    from genrec.ingest.movielens import store_ml100k
     from genrec.offline.semantic_ids import build_semantic_ids, load_item_embeddings
 
     with tempfile.TemporaryDirectory(prefix="genrec-bench-") as home:
@@ -150,36 +151,3 @@ def _compare(name: str, catalog, queries, k: int, repeats: int) -> None:
             f"  faiss {kind:4s}:         {len(queries) / faiss_s:10.0f} queries/s  "
             f"ratio faiss/numpy {numpy_s / faiss_s:5.2f}x  recall@{k} {recall:.3f}"
         )
-
-
-def store_ml100k(engine) -> None:
-    """ML-100K items and rating events into an empty store (as replay + ingest would)."""
-    from sqlalchemy import insert
-
-    from genrec.ingest.movielens import load_ml100k
-    from genrec.schemas.tables import events, items
-
-    dataset = load_ml100k()
-    item_rows = [
-        {
-            "item_id": row.item_id,
-            "title": row.title or None,
-            "year": None if str(row.year) == "<NA>" else int(row.year),
-            "genres": row.genres or None,
-        }
-        for row in dataset.items.itertuples()
-    ]
-    event_rows = [
-        {
-            "event_id": f"ml-100k-{row.file_row}",
-            "user_id": row.user_id,
-            "item_id": row.item_id,
-            "event_type": "rate",
-            "ts_ms": int(row.timestamp) * 1000,
-            "value": float(row.rating),
-        }
-        for row in dataset.events.itertuples()
-    ]
-    with engine.begin() as connection:
-        connection.execute(insert(items), item_rows)
-        connection.execute(insert(events), event_rows)

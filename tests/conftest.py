@@ -12,38 +12,10 @@ from sqlalchemy import Engine, insert
 
 from genrec.infra.database import make_engine
 from genrec.infra.postgres import LocalPostgres, PostgresUnavailable
-from genrec.ingest.movielens import load_ml100k
+from genrec.ingest.movielens import load_ml100k, store_ml100k
 from genrec.schemas.tables import events, items
 
 # --- data -------------------------------------------------------------------
-
-
-def store_ml100k(engine: Engine) -> None:
-    """Write ML-100K into a store the way replay + ingest would, without Kafka."""
-    dataset = load_ml100k()
-    event_rows = [
-        {
-            "event_id": f"ml-100k-{row.file_row}",
-            "user_id": row.user_id,
-            "item_id": row.item_id,
-            "event_type": "rate",
-            "ts_ms": int(row.timestamp) * 1000,
-            "value": float(row.rating),
-        }
-        for row in dataset.events.itertuples()
-    ]
-    item_rows = [
-        {
-            "item_id": row.item_id,
-            "title": row.title or None,
-            "year": None if row.year is None or str(row.year) == "<NA>" else int(row.year),
-            "genres": row.genres or None,
-        }
-        for row in dataset.items.itertuples()
-    ]
-    with engine.begin() as connection:
-        connection.execute(insert(items), item_rows)
-        connection.execute(insert(events), event_rows)
 
 
 @pytest.fixture(scope="session")

@@ -10,13 +10,13 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from conftest import store_ml100k
 from sqlalchemy import insert, select
 
 from genrec.infra.database import make_engine
 from genrec.infra.kv_store import open_kv_store
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import Settings
+from genrec.ingest.movielens import store_ml100k
 from genrec.offline.refresh import run_refresh
 from genrec.schemas.tables import events, job_runs
 
