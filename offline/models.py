@@ -5,7 +5,9 @@ tokenizer, far fewer layers) and their training schedules:
 
 - ``tiny``: a few thousand parameters, for tests (seconds).
 - ``small``: a Llama-style model trained from scratch on semantic-ID tokens;
-  sized for ML-100K on a 2-core CPU.
+  sized for ML-100K on a 2-core CPU. Its schedule (14 epochs, cosine) was chosen
+  on validation; the shipped model is then fitted on train + validation items
+  (``fit_on_valid``: the test items are never seen) with the same schedule.
 - ``smollm2-135m``: the pretrained SmolLM2-135M-Instruct (see
   ``genrec.offline.smollm2``) with the item tokens added to its tokenizer.
 
@@ -64,6 +66,10 @@ class ModelPreset:
     time_budget_s: float | None = None  # target training stops (and evaluates) after this
     draft_time_budget_s: float | None = None  # same for the SFT draft
     eval_users: int | None = None  # validation/test cases decoded per evaluation (None: all)
+    # Final fit: train on every user's training + validation items for the fixed schedule
+    # (epochs / time budget chosen on validation beforehand); no validation, last weights kept.
+    fit_on_valid: bool = False
+    label_smoothing: float = 0.0  # within each level's codes
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,10 +89,11 @@ PRESETS: dict[str, ModelPreset] = {
     ),
     "small": ModelPreset(
         name="small", pretrained=None, hidden=96, layers=2, heads=4, kv_heads=4,
-        intermediate=256, dropout=0.1, draft_hidden=64, draft_layers=1, draft_heads=2,
-        draft_intermediate=192, epochs=40, batch_size=32, lr=4e-3, weight_decay=0.1,
-        eval_every=2, patience=3, draft_epochs=4, draft_lr=2e-3, teacher_prompts=3000,
-        teacher_beams=10, time_budget_s=600.0, draft_time_budget_s=120.0,
+        intermediate=256, dropout=0.25, draft_hidden=64, draft_layers=1, draft_heads=2,
+        draft_intermediate=192, epochs=14, batch_size=32, lr=4e-3, weight_decay=0.1,
+        eval_every=14, patience=1, draft_epochs=4, draft_lr=2e-3, teacher_prompts=3000,
+        teacher_beams=10, time_budget_s=600.0, draft_time_budget_s=120.0, fit_on_valid=True,
+        label_smoothing=0.1,
     ),
     "smollm2-135m": ModelPreset(
         name="smollm2-135m", pretrained="smollm2-135m", hidden=576, layers=30, heads=9,

@@ -9,6 +9,11 @@ Every ``eval_every`` epochs the model decodes the validation cases
 (``Split.valid``) and training stops when validation HR@10 has not improved
 ``patience`` times; the best weights are kept.
 
+A final fit (``preset.fit_on_valid``) adds every user's validation item to the
+training sequences (so each sequence is its user's test history), runs the
+whole schedule chosen beforehand on validation, never evaluates and keeps the
+last weights. Its validation figures are not meaningful (it saw those items).
+
 Example::
 
     >>> result = train_target(item_tokens, split, PRESETS["tiny"], history_items=50)  # doctest: +SKIP
@@ -82,9 +87,12 @@ def collate(
 class LevelLoss:
     """Cross-entropy of item tokens, each over its own level's tokens only."""
 
-    def __init__(self, item_tokens: ItemTokens, device: torch.device) -> None:
+    def __init__(
+        self, item_tokens: ItemTokens, device: torch.device, label_smoothing: float = 0.0
+    ) -> None:
         layout = item_tokens.layout
         self.layout = layout
+        self.label_smoothing = label_smoothing
         masks = level_masks(layout, device)
         self.level_bias = torch.zeros(masks.shape, device=device).masked_fill(~masks, float("-inf"))
         self.level_of = masks.float().argmax(0)  # item-token index -> its level
@@ -97,9 +105,16 @@ class LevelLoss:
         level_logits = logits[trained] + self.level_bias[self.level_of[targets]]
         return level_logits, targets
 
-    def __call__(self, model, input_ids, labels, mask) -> torch.Tensor:
+    def __call__(self, model, input_ids, labels, mask, smoothing: bool = True) -> torch.Tensor:
         level_logits, targets = self.logits_and_targets(model, input_ids, labels, mask)
-        return F.cross_entropy(level_logits.float(), targets)
+        log_probs = level_logits.float().log_softmax(-1)
+        nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
+        if not smoothing or self.label_smoothing <= 0:
+            return nll.mean()
+        # Smoothing spreads mass over the target level's codes only (-inf elsewhere).
+        in_level = torch.isfinite(log_probs)
+        uniform = -log_probs.masked_fill(~in_level, 0.0).sum(-1) / in_level.sum(-1)
+        return ((1 - self.label_smoothing) * nll + self.label_smoothing * uniform).mean()
 
 
 def add_embedding_dropout(model, p: float):
@@ -154,13 +169,27 @@ def validation_loss(model, loss_fn: LevelLoss, cases, item_tokens, history_items
             labels = [IGNORE_INDEX] * (len(labels) - depth) + labels[-depth:]
             examples.append((ids, labels))
         ids, labels, mask = collate(examples, item_tokens.layout.pad_token_id)
-        loss = loss_fn(model, ids.to(device), labels.to(device), mask.to(device))
+        loss = loss_fn(model, ids.to(device), labels.to(device), mask.to(device), smoothing=False)
         count += len(examples)
         total += float(loss) * len(examples)
     return total / max(count, 1)
 
 
 # --- training ---------------------------------------------------------------------
+
+
+def training_sequences(split: Split, item_tokens: ItemTokens, with_valid: bool) -> list[list[str]]:
+    """Each user's training items; ``with_valid`` appends the validation item (final fit).
+
+    The test item is never included: with it, a user's sequence is exactly the
+    history of their test case.
+    """
+    if not with_valid:
+        return [item_tokens.known(items) for items in split.train.values()]
+    return [
+        item_tokens.known(split.test[user].history if user in split.test else items)
+        for user, items in split.train.items()
+    ]
 
 
 def train_target(
@@ -174,55 +203,44 @@ def train_target(
     valid_limit: int | None = None,
     beam_width: int = 20,
 ) -> TrainResult:
-    """Train a target on ``split.train`` with early stopping on ``split.valid`` HR@10."""
+    """Train a target on ``split.train`` with early stopping on ``split.valid`` HR@10.
+
+    With ``preset.fit_on_valid`` it trains on train + validation items for the
+    whole schedule instead, never evaluates and keeps the last weights.
+    """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     device = pick_device()
     model = (model or build_target(preset, item_tokens.layout)).to(device)
-    sequences = [item_tokens.known(items) for items in split.train.values()]
+    sequences = training_sequences(split, item_tokens, preset.fit_on_valid)
     valid = [c for c in split.valid.values() if c.target in item_tokens]
     valid = valid[: valid_limit or preset.eval_users]
     tree = PrefixTree(item_tokens, device)
-    loss_fn = LevelLoss(item_tokens, device)
+    loss_fn = LevelLoss(item_tokens, device, preset.label_smoothing)
     steps_per_epoch = math.ceil(
         len(epoch_windows(sequences, history_items, rng)) / preset.batch_size
     )
     total_steps = preset.max_steps or steps_per_epoch * preset.epochs
-    optimizer, schedule = make_optimizer(model, preset.lr, preset.weight_decay, total_steps)
+    run = _Run(*make_optimizer(model, preset.lr, preset.weight_decay, total_steps), total_steps,
+               preset.time_budget_s)  # fmt: skip
     hook = add_embedding_dropout(model, preset.dropout) if preset.dropout > 0 else None
     curves: dict[str, list[float]] = {"train_loss": [], "valid_loss": [], "valid_hr@10": []}
     best = {"hr": -1.0, "state": None, "epoch": 0}
-    started, step, stale = time.perf_counter(), 0, 0
+    stale = 0
     bar = tqdm(total=total_steps, desc=f"target {preset.name}", disable=not progress)
     for epoch in range(1, preset.epochs + 1):
-        model.train()
         windows = epoch_windows(sequences, history_items, rng)
-        order = rng.permutation(len(windows))
-        epoch_losses = []
-        for start in range(0, len(order), preset.batch_size):
-            batch = [
-                training_example(windows[i], item_tokens)
-                for i in order[start : start + preset.batch_size]
-            ]
-            ids, labels, mask = (
-                t.to(device) for t in collate(batch, item_tokens.layout.pad_token_id)
-            )
-            loss = loss_fn(model, ids, labels, mask)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            schedule(_progress(step, total_steps, started, preset.time_budget_s))
-            epoch_losses.append(loss.item())
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{np.mean(epoch_losses[-50:]):.3f}")
-            if step >= total_steps or _over_budget(started, preset.time_budget_s):
-                break
+        batches = [
+            [windows[i] for i in chunk]
+            for chunk in np.array_split(rng.permutation(len(windows)),
+                                        math.ceil(len(windows) / preset.batch_size))
+        ]  # fmt: skip
+        epoch_losses = _train_epoch(model, loss_fn, run, batches, item_tokens, bar, epoch)
         curves["train_loss"].append(float(np.mean(epoch_losses)))
-        out_of_time = _over_budget(started, preset.time_budget_s)
-        last_epoch = step >= total_steps or epoch == preset.epochs or out_of_time
-        if epoch % preset.eval_every and not last_epoch:
+        last_epoch = run.finished() or epoch == preset.epochs
+        if preset.fit_on_valid or (epoch % preset.eval_every and not last_epoch):
+            if last_epoch:
+                break
             continue
         curves["valid_loss"].append(
             validation_loss(model, loss_fn, valid, item_tokens, history_items, device)
@@ -243,11 +261,54 @@ def train_target(
     bar.close()
     if hook is not None:
         hook.remove()
-    model.load_state_dict(best["state"])
+    if preset.fit_on_valid:
+        metrics = {"fit": "train+valid", "steps": run.step, "epochs_run": epoch}
+    else:
+        model.load_state_dict(best["state"])
+        metrics = {"valid_hr@10": best["hr"], "best_epoch": best["epoch"], "steps": run.step,
+                   "epochs_run": epoch}  # fmt: skip
     model.eval()
-    metrics = {"valid_hr@10": best["hr"], "best_epoch": best["epoch"], "steps": step,
-               "epochs_run": epoch}  # fmt: skip
-    return TrainResult(model, curves, metrics, time.perf_counter() - started)
+    return TrainResult(model, curves, metrics, time.perf_counter() - run.started)
+
+
+@dataclass
+class _Run:
+    """Optimizer, learning-rate schedule and the step/time limits of one training run."""
+
+    optimizer: Any
+    schedule: Any
+    total_steps: int
+    budget_s: float | None
+    step: int = 0
+    started: float = field(default_factory=time.perf_counter)
+
+    def finished(self) -> bool:
+        return self.step >= self.total_steps or _over_budget(self.started, self.budget_s)
+
+
+def _train_epoch(model, loss_fn, run: _Run, batches, item_tokens, bar, epoch: int) -> list[float]:
+    """One pass over ``batches`` of windows (stops early when the run is finished)."""
+    model.train()
+    device = next(model.parameters()).device
+    losses = []
+    for windows in batches:
+        examples = [training_example(window, item_tokens) for window in windows]
+        ids, labels, mask = (
+            t.to(device) for t in collate(examples, item_tokens.layout.pad_token_id)
+        )
+        loss = loss_fn(model, ids, labels, mask)
+        run.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        run.optimizer.step()
+        run.step += 1
+        run.schedule(_progress(run.step, run.total_steps, run.started, run.budget_s))
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.3f}")
+        if run.finished():
+            break
+    return losses
 
 
 def _progress(step: int, total_steps: int, started: float, budget_s: float | None) -> float:

@@ -1,0 +1,76 @@
+"""Target training pieces: the final fit on train + validation items, label smoothing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from genrec.offline.models import PRESETS, build_target
+from genrec.offline.prompts import ItemTokens, training_example
+from genrec.offline.splits import leave_one_out
+from genrec.offline.train_target import (
+    LevelLoss,
+    collate,
+    train_target,
+    training_sequences,
+)
+from genrec.schemas.token_layout import TokenLayout
+
+
+def toy_items(n: int = 30, codes_per_level=(6, 5, 4)) -> ItemTokens:
+    rng = np.random.default_rng(0)
+    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
+    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
+    layout = TokenLayout.for_scratch_model(codes_per_level)
+    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
+
+
+def toy_split(users: int = 12, length: int = 8):
+    rng = np.random.default_rng(1)
+    sequences = {f"u{u}": [f"i{k}" for k in rng.choice(30, size=length, replace=False)]
+                 for u in range(users)}  # fmt: skip
+    sequences["short"] = ["i0", "i1"]  # < 3 events: training only
+    return leave_one_out(sequences)
+
+
+def test_training_sequences_add_the_validation_item_never_the_test_item():
+    items, split = toy_items(), toy_split()
+    plain = training_sequences(split, items, with_valid=False)
+    final = training_sequences(split, items, with_valid=True)
+    for user, train, with_valid in zip(split.train, plain, final, strict=True):
+        assert train == split.train[user]
+        if user in split.valid:
+            assert with_valid == [*split.train[user], split.valid[user].target]
+            assert with_valid == split.test[user].history  # the test item stays out
+        else:
+            assert with_valid == train
+
+
+def test_level_loss_smoothing_stays_within_the_level():
+    items = toy_items()
+    torch.manual_seed(0)
+    model = build_target(PRESETS["tiny"], items.layout)
+    ids, labels, mask = collate([training_example(["i1", "i2", "i3"], items)], 0)
+    plain_fn = LevelLoss(items, torch.device("cpu"))
+    plain = plain_fn(model, ids, labels, mask)
+    level_logits, targets = plain_fn.logits_and_targets(model, ids, labels, mask)
+    assert torch.allclose(plain, F.cross_entropy(level_logits, targets))
+    smoothed_fn = LevelLoss(items, torch.device("cpu"), label_smoothing=0.1)
+    smoothed = smoothed_fn(model, ids, labels, mask)
+    assert torch.isfinite(smoothed) and not torch.allclose(smoothed, plain)
+    smoothed.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert torch.allclose(smoothed_fn(model, ids, labels, mask, smoothing=False), plain)
+
+
+def test_final_fit_trains_without_validation_and_keeps_last_weights():
+    items, split = toy_items(), toy_split()
+    preset = dataclasses.replace(PRESETS["tiny"], epochs=2, fit_on_valid=True)
+    result = train_target(items, split, preset, history_items=5, progress=False)
+    assert result.metrics["fit"] == "train+valid" and "valid_hr@10" not in result.metrics
+    assert result.metrics["epochs_run"] == 2 and result.curves["valid_hr@10"] == []
+    assert len(result.curves["train_loss"]) == 2
+    assert not result.model.training
