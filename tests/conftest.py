@@ -144,3 +144,20 @@ def serving_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("serving-home")
     build_small_serving_version(home)
     return home
+
+
+# --- models -----------------------------------------------------------------
+
+
+def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0):
+    """``n`` items with distinct random semantic IDs over a small scratch layout."""
+    import numpy as np
+
+    from genrec.offline.prompts import ItemTokens
+    from genrec.schemas.token_layout import TokenLayout
+
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
+    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
+    layout = TokenLayout.for_scratch_model(codes_per_level)
+    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)

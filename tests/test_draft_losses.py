@@ -6,10 +6,11 @@ import copy
 
 import numpy as np
 import torch
+from conftest import random_items
 
 from genrec.offline.generative import PrefixTree, decode_batched
 from genrec.offline.models import PRESETS, build_draft, build_target
-from genrec.offline.prompts import ItemTokens, history_prompt
+from genrec.offline.prompts import history_prompt
 from genrec.offline.train_draft import (
     align_draft,
     atspeed_r_loss,
@@ -17,15 +18,6 @@ from genrec.offline.train_draft import (
     beam_logits,
     make_teacher_data,
 )
-from genrec.schemas.token_layout import TokenLayout
-
-
-def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0) -> ItemTokens:
-    rng = np.random.default_rng(seed)
-    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
-    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
-    layout = TokenLayout.for_scratch_model(codes_per_level)
-    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
 
 
 def _log_probs(shape, seed, invalid_last=2):

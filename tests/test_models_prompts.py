@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import random_items
 
 from genrec.offline.generative import PrefixTree, decode_batched
 from genrec.offline.models import PRESETS, build_draft, build_target, item_logits, scratch_tokenizer
@@ -16,14 +17,6 @@ from genrec.offline.prompts import (
     training_example,
 )
 from genrec.schemas.token_layout import TokenLayout
-
-
-def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0) -> ItemTokens:
-    rng = np.random.default_rng(seed)
-    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
-    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
-    layout = TokenLayout.for_scratch_model(codes_per_level)
-    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
 
 
 def test_prompt_layout_and_prefix_property():
