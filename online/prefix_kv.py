@@ -44,6 +44,9 @@ class PrefixKV:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     model_version: str
+    # Prefix KVs of other models over the same prompt (a worker keeps the draft's here, computed
+    # on first use): they live and die with this one in the worker's LRU. Never saved.
+    companions: dict[str, PrefixKV] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def length(self) -> int:

@@ -416,8 +416,9 @@ class ModelDecoder:
     """``GenerativeDecoder`` over an active model version (``GenerativeModels``).
 
     Users with a prefix KV are decoded as one ``PrefixBatch``: the target prefills
-    only the suffix onto the cached prefix (the draft, cheap, reads the full
-    prompt); the others from their full prompts. ``online.mode``: ``strict`` or
+    only the suffix onto the cached prefix, and so does the draft onto its own
+    prefix KV of the same prompt (computed on the user's first request, then kept
+    with the target's in the LRU); the others from their full prompts. ``online.mode``: ``strict`` or
     ``relaxed`` speculative beam search with the aligned draft, or ``target``.
     An ``AcceptanceMonitor`` switches to target-only while the draft's acceptance
     rate is below ``online.min_acceptance_rate``.
@@ -438,7 +439,8 @@ class ModelDecoder:
         if not isinstance(self.trie, ItemTrie):
             table = torch.as_tensor(self.item_tokens.table, device=self.device)
             self.trie = ItemTrie(table, self.layout)
-        self.draft = _pick_draft(models.drafts, settings)
+        self.draft_name = _pick_draft(models.drafts, settings)
+        self.draft = None if self.draft_name is None else models.drafts[self.draft_name]
         self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
 
@@ -454,12 +456,7 @@ class ModelDecoder:
                 [requests[i].prefix_kv for i in with_prefix],
                 [requests[i].suffix_tokens for i in with_prefix],
             )
-            # The draft must read exactly the target's tokens (cached prompt + suffix; the
-            # positions of both trees must agree), which can be longer than ``full_prompt``.
-            draft_prompts = [
-                requests[i].prefix_kv.prompt_ids + list(requests[i].suffix_tokens)
-                for i in with_prefix
-            ]
+            draft_prompts = self._draft_prompts([requests[i] for i in with_prefix])
             exclude = [requests[i].exclude for i in with_prefix]
             result = self._search(target_batch, draft_prompts, beam_width, exclude)
             self._collect(result, with_prefix, requests, beam_width, items, stats)
@@ -469,6 +466,29 @@ class ModelDecoder:
             result = self._search(prompts, prompts, beam_width, exclude)
             self._collect(result, without, requests, beam_width, items, stats)
         return GenerativeBatch(items, stats)
+
+    def _draft_prompts(self, requests: Sequence[GenerativeRequest]):
+        """The draft's view of prefix-KV requests: its own prefix KV of the same cached prompt.
+
+        The draft must read exactly the target's tokens (cached prompt + suffix; both
+        trees' positions must agree), which can be longer than ``full_prompt``. Its prefix
+        KV is computed on a user's first request and kept with the target's (``companions``,
+        so it shares the LRU entry): later requests prefill only the suffix in both models.
+        """
+        from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
+
+        suffixes = [list(r.suffix_tokens) for r in requests]
+        if self.draft is None or not self.monitor.use_speculative():
+            return [r.prefix_kv.prompt_ids + s for r, s in zip(requests, suffixes, strict=True)]
+        key = f"draft:{self.draft_name}"
+        missing = list({id(r.prefix_kv): r.prefix_kv for r in requests
+                        if key not in r.prefix_kv.companions}.values())  # fmt: skip
+        if missing:
+            version = f"{missing[0].model_version}/{key}"
+            computed = compute_prefix_kv(self.draft, [p.prompt_ids for p in missing], version)
+            for prefix_kv, draft_kv in zip(missing, computed, strict=True):
+                prefix_kv.companions[key] = draft_kv
+        return PrefixBatch([r.prefix_kv.companions[key] for r in requests], suffixes)
 
     def _search(self, target_prompts, draft_prompts, beam_width: int, exclude):
         """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
@@ -515,13 +535,13 @@ class ModelDecoder:
         return stats
 
 
-def _pick_draft(drafts: Mapping[str, Any], settings: OnlineSettings):
+def _pick_draft(drafts: Mapping[str, Any], settings: OnlineSettings) -> str | None:
+    """The name of the draft variant to decode with (None: target only)."""
     if settings.mode == "target" or not drafts:
         return None
     if settings.draft is not None:
         if settings.draft not in drafts:
             raise ValueError(f"draft {settings.draft!r} not in this version ({sorted(drafts)})")
-        return drafts[settings.draft]
+        return settings.draft
     preferred = ("atspeed_s", "sft") if settings.mode == "strict" else ("atspeed_r", "sft")
-    name = next(n for n in (*preferred, *sorted(drafts)) if n in drafts)
-    return drafts[name]
+    return next(n for n in (*preferred, *sorted(drafts)) if n in drafts)

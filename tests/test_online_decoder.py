@@ -94,3 +94,32 @@ def test_cached_prompt_plus_suffix_longer_than_the_window(models) -> None:
         got = decoder.decode([request], beam_width=8)
         assert [r for r, _ in got.items[0]] == [r for r, _ in expected]
         assert got.stats[0]["mode"] == mode
+
+
+def test_draft_prefix_kv_is_computed_once_per_cached_prefix(models, monkeypatch) -> None:
+    """The draft prefills a user's cached prompt on the first request only; results unchanged."""
+    from genrec.online import prefix_kv as prefix_kv_module
+
+    histories = [[f"i{n}" for n in range(s, s + 7)] for s in (0, 40)]
+    reqs = requests(models, histories, cached=True)
+    decoder = ModelDecoder(models, OnlineSettings(mode="strict", draft_beams=16))
+    calls = []
+    real = prefix_kv_module.compute_prefix_kv
+    monkeypatch.setattr(
+        prefix_kv_module,
+        "compute_prefix_kv",
+        lambda model, prompts, version: calls.append(len(prompts)) or real(model, prompts, version),
+    )
+    first = decoder.decode(reqs, beam_width=8)
+    second = decoder.decode(reqs, beam_width=8)
+    assert calls == [2]  # both users' draft prefixes in one batched prefill, then reused
+    assert all(r.prefix_kv.companions["draft:atspeed_s"].model_version == "m/draft:atspeed_s"
+               for r in reqs)  # fmt: skip
+    assert [[r for r, _ in row] for row in first.items] == [
+        [r for r, _ in row] for row in second.items
+    ]
+    target_only = ModelDecoder(models, OnlineSettings(mode="target"))
+    expected = target_only.decode(requests(models, histories, cached=False), beam_width=8)
+    assert [[r for r, _ in row] for row in second.items] == [
+        [r for r, _ in row] for row in expected.items
+    ]
