@@ -23,4 +23,6 @@ def test_bench_runs_on_the_active_trained_version(store, semantic_ids, tmp_path)
     assert report["lossless"] and report["exclude_seen"]
     row = report["rows"][0]
     assert row["hf_equals_target_only_users"] == 1.0
+    assert row["strict_equals_target_only"] and row["strict_max_rank_score_gap"] < 1e-4
+    assert row["prefix_equals_full_prompt"] and row["prefix_max_rank_score_gap"] < 1e-4
     assert 0.0 <= row["strict"]["hr_at_k"] <= 1.0 and row["strict"]["acceptance"] is not None
