@@ -458,3 +458,35 @@ def test_activating_a_new_version_switches_without_lost_or_repeated_requests(
     assert reply.decoding["serving_version"] == new_version
     assert reply.decoding["prefix_cutoff_event_id"] == "before-refresh"
     answers.close()
+
+
+def test_two_workers_split_the_partitions_and_answer_each_event_once(
+    serving_home, kafka_broker, tmp_path
+) -> None:
+    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
+    sent, answers = Events(kafka), Recommendations(kafka)
+    workers = [Worker(serving_home, kafka, group, tmp_path / f"worker{n}.log") for n in range(2)]
+    stream = EventStream(sent, rate=30)
+    try:
+        for worker in workers:
+            worker.wait_healthy()
+        stream.start()
+        # Both answer once the group has settled on one member per share of the partitions.
+        wait_for(
+            lambda: all(metric_value(w.get("/metrics")[1].decode(), "genrec_requests_total") > 0
+                        for w in workers),
+            180, "answers from both workers",
+        )  # fmt: skip
+        stream.stop()
+        answers.wait_answered(list(sent.sent), 120)
+        assert [w.stop(signal.SIGTERM) for w in workers] == [0, 0], workers[0].log()
+    finally:
+        stream.halt.set()
+        for worker in workers:
+            worker.stop(signal.SIGKILL)
+        sent.close()
+    for _ in range(5):
+        answers.poll()
+    # A rebalance without a crash hands partitions over drained: exactly one answer per event.
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
+    answers.close()
