@@ -75,10 +75,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if handler is None:
         parser.print_help()
         return 2
+    from pydantic import ValidationError
+
     from genrec.infra.logs import configure_logging
     from genrec.infra.settings import get_settings
 
-    configure_logging(args.log_level or get_settings().log_level)
+    try:
+        settings = get_settings()
+    except ValidationError as exc:
+        print(f"genrec: invalid settings\n{settings_problems(exc)}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level or settings.log_level, settings.log_format)
     try:
         result = handler(args)
     except KeyboardInterrupt:
@@ -87,6 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("genrec").error("%s", exc)
         return 2
     return int(result or 0)
+
+
+def settings_problems(exc) -> str:
+    """One line per bad setting, named as its ``GENREC_`` variable (values are not echoed)."""
+    lines = []
+    for error in exc.errors(include_url=False):
+        where = "__".join(str(part) for part in error["loc"]).upper()
+        lines.append(f"  GENREC_{where}: {error['msg']}")
+    return "\n".join(lines)
 
 
 class UserFacingError(Exception):

@@ -27,10 +27,8 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure_logging(level: str = "INFO", fmt: str | None = None) -> None:
-    """Send genrec's logs to stderr; quiet the chatty client libraries."""
-    import os
-
-    fmt = fmt or os.environ.get("GENREC_LOG_FORMAT", "text")
+    """Send genrec's logs to stderr as text or JSON lines (``log_format``); quiet chatty clients."""
+    fmt = fmt or "text"
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

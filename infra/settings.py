@@ -282,6 +282,7 @@ class Settings(BaseSettings):
     data_dir: Path | None = None
     database_url: str | None = None
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = "text"  # json: one object per line, for log shippers
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     semantic_ids: SemanticIdSettings = Field(default_factory=SemanticIdSettings)

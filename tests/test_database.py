@@ -40,3 +40,16 @@ def test_settings_read_toml_and_keep_secrets_out_of_dumps(monkeypatch, tmp_path)
     dumped = str(settings.redacted())
     assert "s3cret" not in dumped and "hunter2" not in dumped
     assert redact_url("postgresql://u:p@h/d") == "postgresql://u:***@h/d"
+
+
+def test_bad_settings_are_a_clear_error_that_never_echoes_values(monkeypatch, capsys):
+    from genrec.infra.cli import main
+    from genrec.infra.settings import get_settings
+
+    get_settings.cache_clear()  # a cached good config would hide the bad one
+    monkeypatch.setenv("GENREC_LOG_FORMAT", "xml")
+    monkeypatch.setenv("GENREC_INGEST__BATCH_SIZE", "s3cret-not-a-number")
+    assert main(["kafka", "status"]) == 2
+    err = capsys.readouterr().err
+    assert "GENREC_LOG_FORMAT: Input should be 'text' or 'json'" in err
+    assert "GENREC_INGEST__BATCH_SIZE" in err and "s3cret" not in err
