@@ -56,6 +56,7 @@ def run_serve_bench(
     threads: int | None = None,
     random_models: bool = False,
     history_items: int = 50,
+    beam_width: int | None = None,
 ) -> dict[str, Any]:
     """Time both sides per batch size, print a table and the ratio; returns the figures."""
     from genrec.infra.settings import get_settings
@@ -71,7 +72,7 @@ def run_serve_bench(
     models = loaded.models
     decoder = ModelDecoder(models, settings.online.model_copy(update={"mode": mode}))
     full, cached, cache_files = _requests(models, histories, suffix_events)
-    beam_width = settings.online.beam_width or 2 * settings.online.k
+    beam_width = beam_width or settings.online.beam_width or settings.online.k  # the worker's
     figures: dict[str, Any] = {
         "models": loaded.source, "mode": mode, "beam_width": beam_width, "users": len(full),
         "torch_threads": torch.get_num_threads(), "device": str(decoder.device),

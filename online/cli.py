@@ -60,6 +60,10 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     bench_serve.add_argument(
         "--history-items", type=int, default=50, help="H of random models (trained: their own)"
     )
+    bench_serve.add_argument(
+        "--beam-width", type=int, default=None,
+        help="generative beams (default: the worker's, online.beam_width or online.k)",
+    )  # fmt: skip
     bench_serve.add_argument("--json", type=Path, default=None, help="also write the figures here")
     bench_serve.set_defaults(handler=_bench)
 
@@ -111,6 +115,6 @@ def _bench(args: argparse.Namespace) -> int:
     run_serve_bench(
         args.users, args.suffix_events, batch_sizes, args.json, args.preset, args.mode,
         repeats=args.repeats, threads=args.threads, random_models=args.random,
-        history_items=args.history_items,
+        history_items=args.history_items, beam_width=args.beam_width,
     )  # fmt: skip
     return 0
