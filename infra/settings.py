@@ -126,6 +126,7 @@ class OnlineSettings(BaseModel):
     session_timeout_ms: int = Field(default=10_000, ge=1)
     max_poll_interval_ms: int = Field(default=300_000, ge=1)  # longest time one batch may take
     metrics_port: int | None = 9102
+    metrics_host: str = "0.0.0.0"  # all interfaces, for Prometheus; 127.0.0.1 keeps it local
     seed: int = 0
     # Scale out with one worker per core: decoding is many small ops, and on a busy host a
     # second intra-op thread made a tiny model's requests 30-100x slower (measured).

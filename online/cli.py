@@ -96,7 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.metrics_port if args.metrics_port is not None else settings.online.metrics_port
     server = None
     if port is not None and not args.no_metrics:
-        server = metrics.start_metrics_server(port, worker.health)
+        server = metrics.start_metrics_server(port, worker.health, settings.online.metrics_host)
     try:
         report = worker.run(exit_when_idle_s=args.exit_when_idle, max_requests=args.max_requests)
     finally:
