@@ -343,10 +343,14 @@ class _Run:
                  version, model_version, semantic_id_version)  # fmt: skip
 
     def _collect_garbage(self, report: RefreshReport) -> None:
-        """After activation: drop KV versions beyond ``keep_versions``; plot sizes (best effort)."""
+        """After activation: drop KV, model and semantic-ID versions that the ``keep_versions``
+        most recent serving versions do not need; plot KV sizes (best effort)."""
+        from genrec.offline.artifact_gc import collect_old_versions
+
         try:
             keep = recent_activated_versions(self.engine, self.settings.refresh.keep_versions)
             report.counts["kv_versions_removed"] = self.store.garbage_collect(keep)
+            report.counts.update(collect_old_versions(self.engine, keep))
             if "kv" in report.counts and hasattr(self.store, "user_sizes"):
                 plot = _plot_kv_sizes(self.store, report.kv_version, self.settings)
                 report.counts["kv_size_plot"] = str(plot)

@@ -190,6 +190,8 @@ def test_retraining_realigns_drafts_and_recomputes_every_user(sqlite_setup) -> N
     steps = FakeSteps()
     run_refresh(full, engine, steps=steps)
     assert steps.calls == [("semantic_ids", True), ("train", True), ("recall",)]  # new IDs: new target
+    # The fake steps write no model rows: collection runs and finds nothing (test_artifact_gc)
+    assert runs(engine)[-1]["counts"]["model_versions_collected"] == 0
 
 
 @pytest.mark.parametrize(
