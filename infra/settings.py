@@ -96,6 +96,10 @@ class IngestSettings(BaseModel):
     session_timeout_ms: int = 10_000  # how soon a crashed consumer's partitions move on
     dlq_timeout_s: float = 30.0  # per attempt to get the dead letters of a batch acked
     progress_every_s: float = 5.0
+    # Who writes batches to the store while the next one is polled: a child process
+    # (its own core; the default) or a thread (always used for an in-memory SQLite
+    # URL or an engine passed in).
+    writer: Literal["process", "thread"] = "process"
 
 
 class OnlineSettings(BaseModel):

@@ -2,8 +2,9 @@
 
 Produces N synthetic events to a fresh topic, then reads them all twice in one
 run: (a) a bare kafka-python consumer that only counts messages, (b) the real
-ingest path (validate, store in a fresh SQLite database, commit). It prints both
-rates and their ratio; no pass/fail, the numbers are the result.
+ingest path with default settings (validate, store in a fresh SQLite database
+through the writer process, commit). It prints both rates, their ratio and
+which writer stored the events; no pass/fail, the numbers are the result.
 
 Example::
 
@@ -73,10 +74,10 @@ def bare_consume(settings: Settings, topic: str, expected: int) -> float:
 
 def ingest_consume(
     settings: Settings, topic: str, expected: int, database_url: str
-) -> tuple[float, int]:
-    """Seconds for the ingest path to store ``expected`` events; returns (seconds, stored).
+) -> tuple[float, int, str]:
+    """Seconds for the ingest path to store ``expected`` events: (seconds, stored, writer).
 
-    Timed from the first non-empty poll to the end of the last batch's store.
+    Timed from the first non-empty poll to the end of the last batch's write.
     """
     from genrec.ingest.consumer import Ingestor
 
@@ -84,9 +85,10 @@ def ingest_consume(
     settings.kafka.topic_events = topic
     settings.database_url = database_url
     ingestor = Ingestor(settings, group_id=f"genrec-bench-ingest-{uuid.uuid4().hex[:8]}")
+    writer = "thread" if ingestor.writer_process is None else "process"
     stats = ingestor.run(until=lambda stats: stats.events_stored >= expected, progress_every_s=1e9)
     ingestor.engine.dispose()
-    return stats.last_store_at - stats.first_event_at, stats.events_stored
+    return stats.last_store_at - stats.first_event_at, stats.events_stored, writer
 
 
 def run_bench(
@@ -111,7 +113,7 @@ def run_bench(
         bare_s = bare_consume(settings, kafka.topic_events, n_events)
         with tempfile.TemporaryDirectory(prefix="genrec-bench-") as folder:
             url = f"sqlite:///{Path(folder) / 'bench.db'}"
-            ingest_s, stored = ingest_consume(settings, kafka.topic_events, n_events, url)
+            ingest_s, stored, writer = ingest_consume(settings, kafka.topic_events, n_events, url)
     finally:
         _delete_topics(kafka)
     result = {
@@ -123,13 +125,14 @@ def run_bench(
         "ingest_to_bare_ratio": round(bare_s / ingest_s, 3),
         "stored": stored,
         "batch_size": settings.ingest.batch_size,
+        "writer": writer,
     }
     print(
         f"bench ingest: {n_events:,} events, {kafka.events_partitions} partitions\n"
         f"  produce         {result['produce_events_per_s']:>12,.0f} events/s\n"
         f"  bare consumer   {result['bare_consumer_events_per_s']:>12,.0f} events/s\n"
         f"  ingest (SQLite) {result['ingest_sqlite_events_per_s']:>12,.0f} events/s "
-        f"(stored {stored:,})\n"
+        f"(stored {stored:,}, writer {writer})\n"
         f"  ratio ingest/bare {result['ingest_to_bare_ratio']:.2f}"
     )
     if json_path is not None:

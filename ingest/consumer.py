@@ -6,7 +6,11 @@ dead-letter topic and wait for its acks, and only then commit the Kafka offsets
 of the batch. A crash anywhere before the commit means redelivery, and
 redelivered events are skipped by the store, so every event is stored exactly
 once. ``run`` overlaps the store of one batch with the poll and validation of
-the next (a writer thread); a rebalance waits for the write in flight.
+the next: by default a writer *process* (``ingest.writer``, see ``writer.py``)
+stores batch N on the other core while this process polls and validates N+1;
+the writer thread is the fallback (an ``engine=`` passed in, an in-memory
+SQLite URL, or ``ingest.writer = "thread"``). A rebalance waits for the write
+in flight.
 
 Example::
 
@@ -22,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,19 +36,24 @@ from sqlalchemy.exc import DBAPIError
 
 from genrec.infra.settings import Settings
 from genrec.ingest.dlq import DeadLetterPublisher
-from genrec.ingest.store import write_events
-from genrec.schemas.events import DeadLetter, Rejection, validate_event
+from genrec.ingest.store import write_event_rows
+from genrec.ingest.writer import WriterProcess
+from genrec.schemas.events import DeadLetter, Rejection, validate_event_fields
 
 log = logging.getLogger("genrec.ingest")
 
 
 @dataclass
 class PreparedBatch:
-    """One poll, validated: rows to store, letters to dead-letter, offsets to commit after."""
+    """One poll, validated: rows to store, letters to dead-letter, offsets to commit after.
 
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    Rows are tuples in ``store.EVENT_COLUMNS`` order.
+    """
+
+    rows: list[tuple[Any, ...]] = field(default_factory=list)
     letters: list[DeadLetter] = field(default_factory=list)
     offsets: dict[Any, int] = field(default_factory=dict)
+    message: bytes | None = None  # the rows, encoded for the writer process
 
 
 @dataclass
@@ -112,12 +121,16 @@ class Ingestor:
 
         self.settings = settings
         self.engine = engine or make_engine(str(settings.database_url))
+        # Started before the group join, which hides its start-up (imports, engine).
+        self.writer_process: WriterProcess | None = None
+        if engine is None and uses_writer_process(settings):
+            self.writer_process = WriterProcess(str(settings.database_url))
         self.consumer = consumer or self._make_consumer(group_id)
         self.dead_letters = dead_letters or DeadLetterPublisher(settings)
         self.stats = IngestStats()
         self._stop = threading.Event()
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
-        self._in_flight: Future | None = None
+        self._in_flight: Callable[[], dict[Any, int]] | None = None
         self._uncommitted: dict[Any, int] = {}
         # When something last happened (a message, an assignment): the idle clock.
         self.last_activity = time.monotonic()
@@ -142,9 +155,9 @@ class Ingestor:
     ) -> IngestStats:
         """Consume until ``stop()``, ``until(stats)``, or ``exit_when_idle_s`` s without a message.
 
-        Pipelined: while the writer thread stores batch N, this thread polls and
-        validates batch N+1; batch N's offsets are committed (here: the consumer
-        is not thread-safe) as soon as its write and dead letters are done.
+        Pipelined: while the writer (process or thread) stores batch N, this thread
+        polls and validates batch N+1; batch N's offsets are committed (here: the
+        consumer is not thread-safe) as soon as its write and dead letters are done.
         """
         ingest = self.settings.ingest
         self.last_activity = last_progress = started = time.monotonic()
@@ -154,8 +167,12 @@ class Ingestor:
                 now = time.monotonic()
                 if batch:
                     prepared = self.prepare(batch)
-                    self.drain()
-                    self._in_flight = self._writer.submit(self.store, prepared)
+                    offsets = self._collect()
+                    # The writer gets batch N+1 before batch N's commit round trip:
+                    # it should never sit idle while this thread talks to the broker.
+                    self._in_flight = self._start_store(prepared)
+                    if offsets is not None:
+                        self._commit_with_retry(offsets)
                     self.last_activity = now
                 else:
                     self.drain()
@@ -195,21 +212,47 @@ class Ingestor:
         """Validate every record: rows for the store, dead letters, next offsets per partition."""
         prepared = PreparedBatch()
         max_bytes = self.settings.ingest.max_message_bytes
+        rows, letters = prepared.rows, prepared.letters
         for partition, records in batch.items():
             for record in records:
-                outcome = validate_event(record.value, max_bytes)
-                if isinstance(outcome, Rejection):
-                    prepared.letters.append(_dead_letter(outcome, record))
+                outcome = validate_event_fields(record.value, max_bytes)
+                # EVENT_COLUMNS order: the event's fields, then where it came from.
+                # (A type test, not isinstance(Rejection): that goes through ABCMeta.)
+                if type(outcome) is tuple:
+                    rows.append((*outcome, record.topic, record.partition, record.offset))
                 else:
-                    prepared.rows.append(_row(outcome, record))
+                    letters.append(_dead_letter(outcome, record))
             prepared.offsets[partition] = records[-1].offset + 1
+        if self.writer_process is not None:
+            prepared.message = self.writer_process.encode(rows)
         self.stats.events_seen += len(prepared.rows) + len(prepared.letters)
         self.stats.first_event_at = self.stats.first_event_at or time.monotonic()
         return prepared
 
     def store(self, prepared: PreparedBatch) -> dict[Any, int]:
         """ONE transaction for the rows, then the dead letters acked; returns offsets to commit."""
-        stored = self._write_with_retry(prepared.rows)
+        return self._start_store(prepared)()
+
+    def _start_store(self, prepared: PreparedBatch) -> Callable[[], dict[Any, int]]:
+        """Hand the rows to the writer; the callable returned waits for them, then dead-letters.
+
+        Dead letters are published by the consumer's thread, in either mode.
+        """
+        if self.writer_process is None:
+            written = self._writer.submit(self._write_timed, prepared.rows)
+            return lambda: self._finish_store(prepared, *written.result())
+        writer = self.writer_process
+        writer.send(prepared.message or writer.encode(prepared.rows))
+        return lambda: self._finish_store(
+            prepared, writer.wait(stop=self._stop), writer.finished_at
+        )
+
+    def _write_timed(self, rows: list[tuple[Any, ...]]) -> tuple[int, float]:
+        return self._write_with_retry(rows), time.monotonic()
+
+    def _finish_store(
+        self, prepared: PreparedBatch, stored: int, written_at: float | None
+    ) -> dict[Any, int]:
         self.stats.events_stored += stored
         self.stats.events_duplicate += len(prepared.rows) - stored
         if prepared.letters:
@@ -217,27 +260,35 @@ class Ingestor:
             self.stats.events_rejected += len(prepared.letters)
             self.stats.rejected_by_reason.update(letter.reason for letter in prepared.letters)
         self.stats.batches += 1
-        self.stats.last_store_at = time.monotonic()
+        # When the write ended, not when this thread got round to hearing of it.
+        self.stats.last_store_at = written_at if not prepared.letters else time.monotonic()
         return prepared.offsets
 
     def drain(self, *, commit: bool = True) -> None:
         """Wait for the batch being stored; then commit its offsets (the consumer's thread only)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is None:
+        offsets = self._collect()
+        if offsets is None:
             return
-        offsets = in_flight.result()  # re-raises a failed write: nothing gets committed
         if commit:
             self._commit_with_retry(offsets)
         else:
-            self._uncommitted.update(offsets)
+            self._uncommitted = _newest(self._uncommitted, offsets)
 
-    def _write_with_retry(self, rows: list[dict[str, Any]]) -> int:
+    def _collect(self) -> dict[Any, int] | None:
+        """Wait for the batch in flight (if any); its offsets, now safe to commit."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        return in_flight()  # re-raises a failed write: nothing gets committed
+
+    def _write_with_retry(self, rows: list[tuple[Any, ...]]) -> int:
         # A database outage must not lose the batch: keep trying (nothing is committed
         # to Kafka yet). Only a stop request gives up, and then redelivery covers it.
+        # (The writer process runs the same loop in WriterProcess.wait.)
         delay = 0.5
         while True:
             try:
-                return write_events(self.engine, rows)
+                return write_event_rows(self.engine, rows)
             except DBAPIError as exc:
                 if self._stop.is_set():
                     raise
@@ -249,7 +300,7 @@ class Ingestor:
         from kafka.errors import CommitFailedError, KafkaError
         from kafka.structs import OffsetAndMetadata
 
-        offsets = {**self._uncommitted, **offsets}
+        offsets = _newest(self._uncommitted, offsets)
         self._uncommitted = {}
         owned = self.consumer.assignment()
         # Partitions lost in a rebalance are the new owner's to commit (it re-reads
@@ -291,6 +342,8 @@ class Ingestor:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
+        if self.writer_process is not None:
+            self.writer_process.close()
         try:
             self.consumer.close(autocommit=False)
         except TypeError:  # fakes and older clients take no argument
@@ -298,19 +351,26 @@ class Ingestor:
         self.dead_letters.close()
 
 
-def _row(event: Any, record: Any) -> dict[str, Any]:
-    return {
-        "event_id": event.event_id,
-        "user_id": event.user_id,
-        "item_id": event.item_id,
-        "event_type": event.event_type,
-        "ts_ms": event.ts,
-        "value": event.value,
-        "context": event.context,
-        "kafka_topic": record.topic,
-        "kafka_partition": record.partition,
-        "kafka_offset": record.offset,
-    }
+def uses_writer_process(settings: Settings) -> bool:
+    """Whether ``settings`` get the writer process: not for an in-memory SQLite database."""
+    from sqlalchemy.engine import make_url
+
+    if settings.ingest.writer != "process":
+        return False
+    url = make_url(str(settings.database_url))
+    if url.get_backend_name() != "sqlite":
+        return True
+    # Another process would open its own, empty database.
+    in_memory = url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+    return not in_memory
+
+
+def _newest(offsets: dict[Any, int], more: dict[Any, int]) -> dict[Any, int]:
+    """Both offset maps merged, keeping the higher offset per partition (never go back)."""
+    merged = dict(offsets)
+    for partition, offset in more.items():
+        merged[partition] = max(offset, merged.get(partition, offset))
+    return merged
 
 
 def _dead_letter(rejection: Rejection, record: Any) -> DeadLetter:

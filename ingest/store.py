@@ -3,6 +3,8 @@
 Every write is idempotent: events are inserted with ``ON CONFLICT (event_id) DO
 NOTHING`` (SQLite and PostgreSQL alike), users are upserted with their first and
 last event time, items are upserted by ``item_id``. One call, one transaction.
+``write_events`` takes dicts; ``write_event_rows`` takes plain tuples in
+``EVENT_COLUMNS`` order, which is what the ingest loop and its writer process use.
 
 Example::
 
@@ -13,6 +15,8 @@ Example::
     ...        "kafka_partition": None, "kafka_offset": None}
     >>> write_events(engine, [row]), write_events(engine, [row])
     (1, 0)
+    >>> write_event_rows(engine, [("e2", "7", "43", "view", 2, None, None, "t", 0, 5)])
+    1
 """
 
 from __future__ import annotations
@@ -59,14 +63,19 @@ def write_events(engine: Engine, rows: Sequence[dict[str, Any]]) -> int:
     Returns how many events were new; already stored event_ids are skipped.
     Rows are inserted in the given order, so ``events.id`` follows it.
     """
+    return write_event_rows(engine, [tuple(row.get(c) for c in EVENT_COLUMNS) for row in rows])
+
+
+def write_event_rows(engine: Engine, rows: Sequence[Sequence[Any]]) -> int:
+    """``write_events`` for rows given as sequences in ``EVENT_COLUMNS`` order."""
     if not rows:
         return 0
     with engine.begin() as connection:
         return insert_events(connection, rows)
 
 
-def insert_events(connection: Connection, rows: Sequence[dict[str, Any]]) -> int:
-    """``write_events`` inside a transaction the caller holds."""
+def insert_events(connection: Connection, rows: Sequence[Sequence[Any]]) -> int:
+    """``write_event_rows`` inside a transaction the caller holds."""
     if connection.dialect.name == "postgresql":
         stored = _insert_events_postgres(connection, rows)
     elif connection.dialect.name == "sqlite":
@@ -78,6 +87,20 @@ def insert_events(connection: Connection, rows: Sequence[dict[str, Any]]) -> int
         )
     upsert_users(connection, rows)
     return stored
+
+
+_CONTEXT = EVENT_COLUMNS.index("context")
+
+
+def _context_as_text(rows: Sequence[Sequence[Any]]) -> Sequence[Sequence[Any]]:
+    """Rows with their context dict as JSON text (the drivers take text for JSON columns)."""
+    if all(row[_CONTEXT] is None for row in rows):
+        return rows
+    return [
+        (*row[:_CONTEXT], None if row[_CONTEXT] is None else json.dumps(row[_CONTEXT]))
+        + tuple(row[_CONTEXT + 1 :])
+        for row in rows
+    ]
 
 
 # One statement for the whole batch: arrays in, rows out in array order. Faster than
@@ -102,13 +125,20 @@ _POSTGRES_INSERT = text(
 
 
 SQLITE_CACHE_KIB = 64 * 1024
+# Checkpoint the WAL every 16,000 pages (64 MiB) instead of SQLite's 1,000: the index
+# pages a batch touches are copied into the database once per checkpoint, so rarer
+# checkpoints copy each hot page fewer times (measured: 11.3 -> 9.3 us per event at
+# 400k events, final checkpoint included).
+SQLITE_WAL_AUTOCHECKPOINT_PAGES = 16_000
 
 
 def _tune_sqlite(connection: Connection) -> None:
-    """A 64 MiB page cache per connection: index inserts at random keys stop re-reading pages."""
+    """Per writing connection: a 64 MiB page cache (index inserts at random keys stop
+    re-reading pages) and a larger WAL between checkpoints."""
     info = connection.connection.info
     if not info.get("genrec_cache_size"):
         connection.exec_driver_sql(f"PRAGMA cache_size=-{SQLITE_CACHE_KIB}")
+        connection.exec_driver_sql(f"PRAGMA wal_autocheckpoint={SQLITE_WAL_AUTOCHECKPOINT_PAGES}")
         info["genrec_cache_size"] = True
 
 
@@ -119,34 +149,16 @@ _SQLITE_INSERT = (
 )
 
 
-def _insert_events_sqlite(connection: Connection, rows: Sequence[dict[str, Any]]) -> int:
+def _insert_events_sqlite(connection: Connection, rows: Sequence[Sequence[Any]]) -> int:
     # Plain tuples straight to sqlite3: SQLAlchemy's per-row parameter processing
     # costs more than the insert itself at tens of thousands of rows per second.
-    params = [
-        (
-            row["event_id"],
-            row["user_id"],
-            row["item_id"],
-            row["event_type"],
-            row["ts_ms"],
-            row.get("value"),
-            None if row.get("context") is None else json.dumps(row["context"]),
-            row.get("kafka_topic"),
-            row.get("kafka_partition"),
-            row.get("kafka_offset"),
-        )
-        for row in rows
-    ]
     # sqlite3 sums the rows changed over an executemany: exactly the new events.
-    return connection.exec_driver_sql(_SQLITE_INSERT, params).rowcount
+    return connection.exec_driver_sql(_SQLITE_INSERT, _context_as_text(rows)).rowcount
 
 
-def _insert_events_postgres(connection: Connection, rows: Sequence[dict[str, Any]]) -> int:
-    columns: dict[str, list[Any]] = {name: [] for name in EVENT_COLUMNS}
-    for row in rows:
-        for name in EVENT_COLUMNS:
-            columns[name].append(row.get(name))
-    columns["context"] = [None if c is None else json.dumps(c) for c in columns["context"]]
+def _insert_events_postgres(connection: Connection, rows: Sequence[Sequence[Any]]) -> int:
+    transposed = zip(*_context_as_text(rows), strict=True)
+    columns = dict(zip(EVENT_COLUMNS, map(list, transposed), strict=True))
     return connection.execute(_POSTGRES_INSERT, columns).rowcount
 
 
@@ -159,14 +171,17 @@ _SQLITE_UPSERT_USERS = (
 )
 
 
-def upsert_users(connection: Connection, rows: Iterable[dict[str, Any]]) -> None:
-    """Create or widen each user's [first_ts_ms, last_ts_ms] span."""
+_USER_ID, _TS_MS = EVENT_COLUMNS.index("user_id"), EVENT_COLUMNS.index("ts_ms")
+
+
+def upsert_users(connection: Connection, rows: Iterable[Sequence[Any]]) -> None:
+    """Create or widen each user's [first_ts_ms, last_ts_ms] span (rows in ``EVENT_COLUMNS`` order)."""
     span: dict[str, list[int]] = {}
     for row in rows:
-        ts_ms = row["ts_ms"]
-        seen = span.get(row["user_id"])
+        user_id, ts_ms = row[_USER_ID], row[_TS_MS]
+        seen = span.get(user_id)
         if seen is None:
-            span[row["user_id"]] = [ts_ms, ts_ms]
+            span[user_id] = [ts_ms, ts_ms]
         else:
             seen[0] = min(seen[0], ts_ms)
             seen[1] = max(seen[1], ts_ms)

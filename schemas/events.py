@@ -4,7 +4,11 @@ A user event is one JSON object per Kafka message, keyed by ``user_id`` so one
 user's events stay in one partition, in the order they were produced.
 ``validate_event`` turns raw message bytes into a ``UserEvent`` or a
 ``Rejection`` with a machine-readable reason; rejected messages travel on to
-the dead-letter topic as a ``DeadLetter``.
+the dead-letter topic as a ``DeadLetter``. ``validate_event_fields`` is the same
+check returning a plain tuple (what ingest stores). Both first try a fast path
+that accepts only the common, unambiguous shape (plain ids, a known event type,
+integer epoch ms); everything else goes through the pydantic model, which stays
+the authority and produces every ``Rejection``.
 
 Example::
 
@@ -14,11 +18,15 @@ Example::
     1704067200000
     >>> validate_event(b'{"event_id": "e1"').reason
     'not_json'
+    >>> validate_event_fields(b'{"event_id": "e1", "user_id": 7, "item_id": "42", '
+    ...                       b'"event_type": "view", "ts": 5}')
+    ('e1', '7', '42', 'view', 5, None, None)
 """
 
 from __future__ import annotations
 
 import base64
+import math
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -35,6 +43,7 @@ from pydantic import (
     ValidationError,
     WithJsonSchema,
 )
+from pydantic_core import from_json
 
 SCHEMA_VERSION = 1
 EVENT_TYPES = ("view", "click", "cart", "purchase", "rate")
@@ -219,8 +228,50 @@ class DeadLetter(BaseModel):
 _ID_FIELDS = ("event_id", "user_id", "item_id")
 
 
+# (event_id, user_id, item_id, event_type, ts_ms, value, context): a UserEvent's stored
+# fields, in the order of the store's event columns.
+EventFields = tuple[str, str, str, str, int, float | None, dict[str, Any] | None]
+_FIELD_NAMES = ("event_id", "user_id", "item_id", "event_type", "ts", "value", "context")
+
+
 def validate_event(raw: bytes | None, max_bytes: int = 64 * 1024) -> UserEvent | Rejection:
     """Raw Kafka message value -> ``UserEvent``, or the ``Rejection`` that explains why not."""
+    problem = _check_bytes(raw, max_bytes)
+    if problem is not None:
+        return problem
+    fields = fast_event_fields(raw)
+    if fields is not None:
+        return UserEvent.model_construct(**dict(zip(_FIELD_NAMES, fields, strict=True)))
+    try:
+        return UserEvent.model_validate_json(raw)
+    except ValidationError as exc:
+        return classify_errors(exc)
+
+
+def validate_event_fields(raw: bytes | None, max_bytes: int = 64 * 1024) -> EventFields | Rejection:
+    """``validate_event`` as a plain ``EventFields`` tuple: no model object on the common path."""
+    problem = _check_bytes(raw, max_bytes)
+    if problem is not None:
+        return problem
+    fields = fast_event_fields(raw)
+    if fields is not None:
+        return fields
+    try:
+        event = UserEvent.model_validate_json(raw)
+    except ValidationError as exc:
+        return classify_errors(exc)
+    return (
+        event.event_id,
+        event.user_id,
+        event.item_id,
+        event.event_type,
+        event.ts,
+        event.value,
+        event.context,
+    )
+
+
+def _check_bytes(raw: bytes | None, max_bytes: int) -> Rejection | None:
     if raw is None:
         return Rejection(reason="not_json", detail="message has no value (tombstone)")
     if len(raw) > max_bytes:
@@ -229,10 +280,69 @@ def validate_event(raw: bytes | None, max_bytes: int = 64 * 1024) -> UserEvent |
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return Rejection(reason="not_utf8", detail=f"invalid UTF-8 at byte {exc.start}")
+    return None
+
+
+# --- fast path ------------------------------------------------------------------
+# Accepts only what the model would accept unchanged (or turn into text/float the same
+# way); returns None for anything else, which then takes the pydantic path.
+
+_EVENT_TYPE_SET = frozenset(EVENT_TYPES)
+_INT_ID_LIMIT = 2**63  # str() of any int inside this is cheap and exact
+_EXACT_FLOAT_INT = 2**53  # ints a float holds exactly
+
+
+def fast_event_fields(raw: bytes) -> EventFields | None:
+    """The fields of a plainly valid event, or None when the pydantic path must decide."""
     try:
-        return UserEvent.model_validate_json(raw)
-    except ValidationError as exc:
-        return classify_errors(exc)
+        data = from_json(raw)
+    except ValueError:
+        return None
+    if type(data) is not dict:
+        return None
+    schema_version = data.get("schema_version", SCHEMA_VERSION)
+    if type(schema_version) is not int or schema_version != SCHEMA_VERSION:
+        return None
+    event_type = data.get("event_type")
+    if type(event_type) is not str or event_type not in _EVENT_TYPE_SET:
+        return None
+    ts = data.get("ts")
+    if type(ts) is not int or not 0 <= ts <= MAX_TS_MS:
+        return None
+    value = data.get("value")
+    if value is not None:
+        value = _fast_value(value)
+        if value is None:
+            return None
+    context = data.get("context")
+    if context is not None and type(context) is not dict:
+        return None
+    event_id = _fast_id(data.get("event_id"))
+    user_id = _fast_id(data.get("user_id"))
+    item_id = _fast_id(data.get("item_id"))
+    if event_id is None or user_id is None or item_id is None:
+        return None
+    return (event_id, user_id, item_id, event_type, ts, value, context)
+
+
+def _fast_id(value: Any) -> str | None:
+    if type(value) is str:
+        # No whitespace at either end: stripping (Unicode White_Space, a subset of what
+        # str.isspace calls space) would change nothing, so the length check is final.
+        if 0 < len(value) <= MAX_ID_LENGTH and not value[0].isspace() and not value[-1].isspace():
+            return value
+        return None
+    if type(value) is int and -_INT_ID_LIMIT < value < _INT_ID_LIMIT:
+        return str(value)
+    return None
+
+
+def _fast_value(value: Any) -> float | None:
+    if type(value) is float:
+        return value if math.isfinite(value) else None
+    if type(value) is int and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT:
+        return float(value)
+    return None
 
 
 def classify_errors(exc: ValidationError) -> Rejection:

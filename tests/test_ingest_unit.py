@@ -100,13 +100,13 @@ def test_stop_finishes_the_batch_in_hand(tmp_path):
     tp = TopicPartition("t", 0)
     batches = [{tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in range(5)]
     ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, batches)
-    original = ingestor.store
+    original = ingestor._write_with_retry
 
-    def store_then_stop(prepared):
+    def write_then_stop(rows):
         ingestor.stop()  # as the SIGTERM handler does, mid-batch
-        return original(prepared)
+        return original(rows)
 
-    ingestor.store = store_then_stop
+    ingestor._write_with_retry = write_then_stop
     stats = ingestor.run()
     assert stats.batches == 1 and consumer.committed == {tp: 1} and journal[-1] == "close"
 
@@ -227,3 +227,117 @@ def test_item_rows_from_any_columns():
         {"item_id": "2", "title": None, "genres": None, "year": None, "attributes": None},
     ]
     assert replay.item_rows(pd.DataFrame({"item_id": ["a"]}))[0]["attributes"] is None
+
+
+# --- validation fast path ------------------------------------------------------
+
+FAST_PATH_CORPUS = [
+    # (message, whether the fast path may take it alone)
+    (b'{"event_id":"e1","user_id":"u","item_id":"i","event_type":"view","ts":1}', True),
+    (b'{"schema_version":1,"event_id":"e1","user_id":7,"item_id":-3,"event_type":"rate",'
+     b'"ts":0,"value":4}', True),
+    (b'{"event_id":"e1","user_id":"u","item_id":"i","event_type":"cart","ts":253402300799999,'
+     b'"value":-0.0,"context":{"page":"home","n":[1,2.5,null],"big":123456789012345678901234}}',
+     True),
+    (b'{"event_id":"\xc3\xa9v\xe2\x82\xac","user_id":"\xf0\x9f\x98\x80","item_id":"i",'
+     b'"event_type":"view","ts":5,"extra":{"x":1},"value":null,"context":null}', True),
+    (b'{"event_id":"' + b"x" * 128 + b'","user_id":"u","item_id":"i","event_type":"view","ts":1}',
+     True),
+    (b'{"event_id":" e1 ","user_id":"u\\t","item_id":"\\u00a0i","event_type":"view","ts":1}', False),
+    (b'{"event_id":"\\u001ce1","user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":"   ","user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":"","user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":"' + b"x" * 129 + b'","user_id":"u","item_id":"i","event_type":"view","ts":1}',
+     False),
+    (b'{"event_id":" ' + b"x" * 128 + b' ","user_id":"u","item_id":"i","event_type":"view",'
+     b'"ts":1}', False),
+    (b'{"event_id":true,"user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":1.0,"user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":123456789012345678901234567890,"user_id":"u","item_id":"i",'
+     b'"event_type":"view","ts":1}', False),
+    (b'{"event_id":null,"user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"View","ts":1}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":["view"],"ts":1}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":true}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1.0}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1.5}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":"1700000000000"}',
+     False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view",'
+     b'"ts":"2024-01-01T00:00:00+02:00"}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":-1}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":253402300800000}',
+     False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1e400}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,'
+     b'"schema_version":2}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,'
+     b'"schema_version":1.0}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,'
+     b'"schema_version":null}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,"value":NaN}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,"value":true}',
+     False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,"value":"4.5"}',
+     False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,'
+     b'"value":9007199254740993}', False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,"context":[1]}',
+     False),
+    (b'{"event_id":"e","user_id":"u","item_id":"i","event_type":"view","ts":1,'
+     b'"context":{"x":NaN}}', True),
+    (b'{"event_id":"a","event_id":"b","user_id":"u","item_id":"i","event_type":"view","ts":1}',
+     True),
+    (b'[1, 2]', False),
+    (b'"just text"', False),
+    (b'{"event_id":"e1"', False),
+    (b'{"event_id":"\\ud800","user_id":"u","item_id":"i","event_type":"view","ts":1}', False),
+]  # fmt: skip
+
+
+def pydantic_only(raw: bytes):
+    """What the authoritative pydantic path alone makes of ``raw`` (fields or reason)."""
+    from pydantic import ValidationError
+
+    from genrec.schemas.events import UserEvent, classify_errors
+
+    try:
+        event = UserEvent.model_validate_json(raw)
+    except ValidationError as exc:
+        return classify_errors(exc).reason
+    return (event.event_id, event.user_id, event.item_id, event.event_type, event.ts,
+            event.value, event.context)  # fmt: skip
+
+
+@pytest.mark.parametrize("raw, fast", FAST_PATH_CORPUS)
+def test_fast_path_agrees_with_pydantic(raw, fast):
+    from genrec.schemas.events import (
+        Rejection,
+        UserEvent,
+        fast_event_fields,
+        validate_event,
+        validate_event_fields,
+    )
+
+    expected = pydantic_only(raw)
+    assert (fast_event_fields(raw) is not None) == fast
+    fields = validate_event_fields(raw)
+    got = fields.reason if isinstance(fields, Rejection) else fields
+    # repr tells 1 from 1.0, -0.0 from 0.0 and shows nan: equality alone would not.
+    assert repr(got) == repr(expected)
+    event = validate_event(raw)
+    if isinstance(event, UserEvent):  # (repr again: nan != nan)
+        assert repr(event) == repr(UserEvent.model_validate_json(raw))
+    else:
+        assert event.reason == expected
+
+
+def test_fast_path_is_not_the_authority_for_rejections():
+    from genrec.schemas.events import validate_event_fields
+
+    assert validate_event_fields(None).reason == "not_json"
+    assert validate_event_fields(b"\xff{}").reason == "not_utf8"
+    assert validate_event_fields(b"{}" + b" " * 100, max_bytes=10).reason == "too_large"
+    assert validate_event_fields(b'{"user_id":"u","item_id":"i","event_type":"view","ts":1}')\
+        .reason == "missing_id"  # fmt: skip
