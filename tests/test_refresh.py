@@ -189,7 +189,8 @@ def test_retraining_realigns_drafts_and_recomputes_every_user(sqlite_setup) -> N
         update={"retrain_target": False, "full_semantic_ids": True})})  # fmt: skip
     steps = FakeSteps()
     run_refresh(full, engine, steps=steps)
-    assert steps.calls == [("semantic_ids", True), ("train", True), ("recall",)]  # new IDs: new target
+    # new IDs: a new target
+    assert steps.calls == [("semantic_ids", True), ("train", True), ("recall",)]
     # The fake steps write no model rows: collection runs and finds nothing (test_artifact_gc)
     assert runs(engine)[-1]["counts"]["model_versions_collected"] == 0
 
