@@ -88,7 +88,8 @@ class IngestSettings(BaseModel):
     batch_size: int = 5000
     batch_timeout_ms: int = 500
     max_message_bytes: int = 64 * 1024
-    metrics_port: int | None = None
+    metrics_port: int | None = None  # /metrics and /healthz; None: not served
+    metrics_host: str = "0.0.0.0"
     poll_timeout_ms: int = 1000
     fetch_max_bytes: int = 64 * 1024 * 1024
     max_partition_fetch_bytes: int = 8 * 1024 * 1024

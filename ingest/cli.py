@@ -24,6 +24,11 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     )
     ingest.add_argument("--batch-size", type=int, default=None, help="max messages per batch")
     ingest.add_argument("--group", default=None, help="consumer group (default: settings)")
+    ingest.add_argument(
+        "--metrics-port", type=int, default=None,
+        help="serve /metrics and /healthz here (0: a free port; default: ingest.metrics_port, "
+        "none when unset)",
+    )  # fmt: skip
     ingest.set_defaults(handler=_ingest)
 
     replay = commands.add_parser(
@@ -75,9 +80,19 @@ def _ingest(args: argparse.Namespace) -> int:
     ingestor = Ingestor(settings, group_id=args.group)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: ingestor.stop())
-    ingestor.run(
-        exit_when_idle_s=args.exit_when_idle, progress_every_s=settings.ingest.progress_every_s
-    )
+    port = args.metrics_port if args.metrics_port is not None else settings.ingest.metrics_port
+    server = None
+    if port is not None:
+        from genrec.infra import metrics
+
+        server = metrics.start_metrics_server(port, ingestor.health, settings.ingest.metrics_host)
+    try:
+        ingestor.run(
+            exit_when_idle_s=args.exit_when_idle, progress_every_s=settings.ingest.progress_every_s
+        )
+    finally:
+        if server is not None:
+            server.stop()
     return 0
 
 

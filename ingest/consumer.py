@@ -34,6 +34,7 @@ from kafka import ConsumerRebalanceListener
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
+from genrec.infra import metrics
 from genrec.infra.settings import Settings
 from genrec.ingest.dlq import DeadLetterPublisher
 from genrec.ingest.store import write_event_rows
@@ -133,7 +134,7 @@ class Ingestor:
         self._in_flight: Callable[[], dict[Any, int]] | None = None
         self._uncommitted: dict[Any, int] = {}
         # When something last happened (a message, an assignment): the idle clock.
-        self.last_activity = time.monotonic()
+        self.last_activity = self._last_loop = time.monotonic()
 
     def _make_consumer(self, group_id: str | None) -> Any:
         from kafka import KafkaConsumer
@@ -164,7 +165,7 @@ class Ingestor:
         try:
             while not self._stop.is_set() and not (until and until(self.stats)):
                 batch = self.consumer.poll(timeout_ms=ingest.poll_timeout_ms)
-                now = time.monotonic()
+                now = self._last_loop = time.monotonic()
                 if batch:
                     prepared = self.prepare(batch)
                     offsets = self._collect()
@@ -255,10 +256,13 @@ class Ingestor:
     ) -> dict[Any, int]:
         self.stats.events_stored += stored
         self.stats.events_duplicate += len(prepared.rows) - stored
+        _EVENTS_STORED.inc(stored)
+        _EVENTS_DUPLICATE.inc(len(prepared.rows) - stored)
         if prepared.letters:
             self.dead_letters.publish(prepared.letters, stop=self._stop)
             self.stats.events_rejected += len(prepared.letters)
             self.stats.rejected_by_reason.update(letter.reason for letter in prepared.letters)
+            _EVENTS_DEAD_LETTERED.inc(len(prepared.letters))
         self.stats.batches += 1
         # When the write ended, not when this thread got round to hearing of it.
         self.stats.last_store_at = written_at if not prepared.letters else time.monotonic()
@@ -290,6 +294,7 @@ class Ingestor:
             try:
                 return write_event_rows(self.engine, rows)
             except DBAPIError as exc:
+                metrics.ERRORS.labels(component="ingest", kind="db_write").inc()
                 if self._stop.is_set():
                     raise
                 log.warning("database write failed (%s); retrying in %.1f s", _short(exc), delay)
@@ -321,6 +326,7 @@ class Ingestor:
                 log.warning("offset commit refused after a rebalance: %s", _short(exc))
                 return
             except KafkaError as exc:
+                metrics.ERRORS.labels(component="ingest", kind="commit").inc()
                 if self._stop.is_set():
                     log.warning("offset commit failed while stopping: %s", _short(exc))
                     return
@@ -328,17 +334,26 @@ class Ingestor:
                 time.sleep(1.0)
 
     def _update_lag(self) -> None:
-        """Lag = newest offset the broker reported - our position, over assigned partitions."""
+        """Lag = newest offset the broker reported - our position, over assigned partitions
+        (also the per-partition ``genrec_consumer_lag`` gauge)."""
         try:
-            lag = 0
-            for partition in self.consumer.assignment():
-                highwater = self.consumer.highwater(partition)
-                position = self.consumer.position(partition, timeout_ms=1000)
-                if highwater is not None and position is not None:
-                    lag += max(highwater - position, 0)
-            self.stats.lag = lag
+            self.stats.lag = metrics.record_lag("ingest", self.consumer)
         except Exception as exc:  # lag is cosmetic; never let it stop ingest
             log.debug("lag unavailable: %s", exc)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy while the loop turns: a stuck write, broker or database shows as unhealthy."""
+        stalled_s = time.monotonic() - self._last_loop
+        details = {
+            "role": "ingest",
+            "stopping": self._stop.is_set(),
+            "loop_stalled_s": round(stalled_s, 1),
+            "stored": self.stats.events_stored,
+            "rejected": self.stats.events_rejected,
+            "lag": self.stats.lag,
+            "writer": "process" if self.writer_process is not None else "thread",
+        }
+        return not self._stop.is_set() and stalled_s < HEALTHY_LOOP_S, details
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
@@ -349,6 +364,13 @@ class Ingestor:
         except TypeError:  # fakes and older clients take no argument
             self.consumer.close()
         self.dead_letters.close()
+
+
+# A loop turn takes one poll (<= poll_timeout_ms) plus one batch's write: minutes means stuck.
+HEALTHY_LOOP_S = 120.0
+_EVENTS_STORED = metrics.EVENTS.labels(component="ingest", outcome="stored")
+_EVENTS_DUPLICATE = metrics.EVENTS.labels(component="ingest", outcome="duplicate")
+_EVENTS_DEAD_LETTERED = metrics.EVENTS.labels(component="ingest", outcome="dead_lettered")
 
 
 def uses_writer_process(settings: Settings) -> bool:

@@ -42,6 +42,8 @@ from typing import Any
 
 from pydantic_core import from_json, to_json
 
+from genrec.infra import metrics
+
 log = logging.getLogger("genrec.ingest.writer")
 
 CLOSE_TIMEOUT_S = 30.0
@@ -173,6 +175,8 @@ class WriterProcess:
                 self._pending = None
                 raise WriteFailed(outcome.text)
             log.warning("%s; retrying the batch in %.1f s", outcome.text, delay)
+            kind = "writer_died" if outcome.restart else "db_write"
+            metrics.ERRORS.labels(component="ingest", kind=kind).inc()
             time.sleep(delay)
             delay = min(delay * 2, 10.0)
             if outcome.restart:

@@ -213,15 +213,40 @@ def test_kill_9_mid_stream_then_restart_stores_each_event_once(
     assert_exactly(database_url, 10_000)
 
 
-def test_sigterm_drains_and_exits_zero(kafka_settings, tmp_path):
+def test_sigterm_drains_and_exits_zero_and_metrics_answer(kafka_settings, tmp_path):
+    import urllib.request
+
+    from genrec.infra.kafka_broker import pick_free_ports
+
     url = f"sqlite:///{tmp_path / 'term.db'}"
     settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)
     log_path = tmp_path / "ingest.log"
     produce_range(settings, 0, 2000)
-    process = ingest_process(settings, log_path)
-    wait_for(lambda: count_events(url) == 2000, 120, "all events stored")
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
+    port = pick_free_ports(1)[0]
+    process = ingest_process(settings, log_path, "--metrics-port", str(port))
+
+    def get(path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
+            return response.status, response.read().decode()
+
+    def stored_metric() -> float:
+        lines = get("/metrics")[1].splitlines()
+        return sum(
+            float(line.rsplit(" ", 1)[1]) for line in lines
+            if line.startswith("genrec_events_total{")
+            and 'component="ingest"' in line and 'outcome="stored"' in line
+        )  # fmt: skip
+
+    try:
+        wait_for(lambda: count_events(url) == 2000, 120, "all events stored")
+        wait_for(lambda: stored_metric() == 2000, 30, "the stored-events metric")
+        status, body = get("/healthz")
+        health = json.loads(body)
+        assert status == 200 and health["ok"] and health["role"] == "ingest"
+        assert health["stored"] == 2000 and health["writer"] == "process"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, log_path.read_text()[-3000:]
     assert "(done)" in log_path.read_text()
 
 

@@ -96,6 +96,25 @@ def test_batch_stores_rejects_then_commits(tmp_path):
     assert sorted(stored) == [("e1", 10), ("e2", 5)]
 
 
+def test_metrics_count_each_outcome_and_health_follows_the_loop(tmp_path):
+    from genrec.infra import metrics
+
+    def count(outcome: str) -> float:
+        return metrics.EVENTS.labels(component="ingest", outcome=outcome)._value.get()
+
+    before = {o: count(o) for o in ("stored", "duplicate", "dead_lettered")}
+    tp0 = TopicPartition("t", 0)
+    batch = {tp0: [Record("t", 0, 1, b"u1", event_bytes(1), 0), Record("t", 0, 2, b"u", b"x", 0)]}
+    ingestor, *_ = make_ingestor(tmp_path, [batch, batch])
+    ok, details = ingestor.health()
+    assert ok and details["role"] == "ingest" and details["writer"] == "thread"
+    ingestor.run(exit_when_idle_s=0.0)
+    after = {o: count(o) - before[o] for o in before}
+    assert after == {"stored": 1, "duplicate": 1, "dead_lettered": 2}
+    ingestor.stop()
+    assert ingestor.health()[0] is False  # stopping: take it out of rotation
+
+
 def test_stop_finishes_the_batch_in_hand(tmp_path):
     tp = TopicPartition("t", 0)
     batches = [{tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in range(5)]
