@@ -120,6 +120,7 @@ class PrefixKVCache:
         self.size, self.max_bytes = size, max_bytes
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._sizes: dict[tuple[str, str], int] = {}  # bytes of each entry, as last counted
 
     def get(self, kv_store: Any, kv_version: str, user_id: str, model_version: Any) -> tuple:
         """``(entry, prefix_kv)`` or ``(None, None)``; loads from ``kv_store`` on a memory miss."""
@@ -147,15 +148,31 @@ class PrefixKVCache:
         if self.size <= 0:
             return
         self._entries[key] = found
-        self.nbytes += _prefix_bytes(found)
+        self._count(key)
+        self._evict()
+
+    def recount(self, kv_version: str, user_ids: Sequence[str]) -> None:
+        """Re-measure these users' entries (the decoder adds the draft's prefix KV to them)."""
+        for user_id in user_ids:
+            if (kv_version, user_id) in self._entries:
+                self._count((kv_version, user_id))
+        self._evict()
+
+    def _count(self, key: tuple[str, str]) -> None:
+        size = _prefix_bytes(self._entries[key])
+        self.nbytes += size - self._sizes.get(key, 0)
+        self._sizes[key] = size
+
+    def _evict(self) -> None:
         while len(self._entries) > self.size or (
             self.max_bytes is not None and self.nbytes > self.max_bytes and len(self._entries) > 1
         ):
-            _key, evicted = self._entries.popitem(last=False)
-            self.nbytes -= _prefix_bytes(evicted)
+            key, _evicted = self._entries.popitem(last=False)
+            self.nbytes -= self._sizes.pop(key, 0)
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sizes.clear()
         self.nbytes = 0
 
     def __len__(self) -> int:
@@ -163,8 +180,14 @@ class PrefixKVCache:
 
 
 def _prefix_bytes(found: Any) -> int:
-    """Bytes of a cached ``(entry, PrefixKV)`` (0 for a miss or a fake without tensors)."""
+    """Bytes of a cached ``(entry, PrefixKV)`` with its companions (0 for a miss or a fake)."""
     prefix_kv = found[1] if isinstance(found, tuple) else None
+    return _kv_bytes(prefix_kv) + sum(
+        _kv_bytes(c) for c in getattr(prefix_kv, "companions", {}).values()
+    )
+
+
+def _kv_bytes(prefix_kv: Any) -> int:
     tensors = [*getattr(prefix_kv, "keys", []), *getattr(prefix_kv, "values", [])]
     return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
@@ -251,6 +274,8 @@ class Recommender:
                 stats["fallback"] = "generative_error"
             return [[] for _ in requests], decoding
         metrics.STAGE_LATENCY.labels(stage="generative").observe(time.perf_counter() - started)
+        if bundle.kv_version is not None:  # decoding may have cached the draft's prefix KVs
+            self.prefix_kvs.recount(bundle.kv_version, [r.user_id for r in gen_requests])
         item_ids = decoder.item_tokens.item_ids
         lists = [
             [(item_ids[row], score) for row, score in items[: self.settings.k]]

@@ -230,10 +230,11 @@ def test_prefix_kv_lru_is_bounded_by_bytes() -> None:
 
     from genrec.online.prefix_kv import PrefixKV
 
+    keys = [torch.zeros(2, 100, 8)]  # 12,800 bytes with the values
+
     class TensorKVStore(FakeKVStore):
         def load(self, entry, expected_model_version):
             self.loads += 1
-            keys = [torch.zeros(2, 100, 8)]  # 12,800 bytes with the values
             return PrefixKV([1] * 101, keys, [torch.zeros(2, 100, 8)], "m")
 
     entries = {u: Entry(1, 1, "e") for u in "abc"}
@@ -244,5 +245,10 @@ def test_prefix_kv_lru_is_bounded_by_bytes() -> None:
     assert len(cache) == 2 and cache.nbytes == 25_600  # "a" went to stay under 30,000 bytes
     cache.get(kv_store, "kv1", "a", "m")
     assert kv_store.loads == 4
+    # The decoder adds a draft's prefix KV to an entry: a recount makes the bound see it.
+    _entry, prefix_kv = cache.get(kv_store, "kv1", "a", "m")
+    prefix_kv.companions["draft:x"] = PrefixKV([1] * 101, keys, [torch.zeros(2, 100, 8)], "m/d")
+    cache.recount("kv1", ["a", "nobody"])
+    assert len(cache) == 1 and cache.nbytes == 25_600  # "c" went; "a" is 2 x 12,800 now
     cache.clear()
     assert cache.nbytes == 0 and len(cache) == 0
