@@ -88,6 +88,7 @@ class OnlineWorker:
         self._producer_factory = producer_factory or self._kafka_producer
         self._stop = threading.Event()
         self._pending: list[_Polled] = []
+        self._dropped: dict[Any, int] = {}  # first unanswered offset of each revoked partition
         self._last_loop = time.monotonic()
         self._last_progress = time.monotonic()
         self.report = WorkerReport()
@@ -293,7 +294,25 @@ class OnlineWorker:
         # Records of a revoked partition are not ours to answer any more: the new
         # owner starts from the last commit, which does not include them.
         revoked = set(revoked)
-        self._pending[:] = [p for p in self._pending if _partition(p.record) not in revoked]
+        kept = []
+        for polled in self._pending:
+            partition = _partition(polled.record)
+            if partition in revoked:
+                offset = polled.record.offset
+                self._dropped[partition] = min(offset, self._dropped.get(partition, offset))
+            else:
+                kept.append(polled)
+        self._pending[:] = kept
+
+    def _seek_back_reassigned(self, assigned: Sequence[Any]) -> None:
+        # A partition revoked and assigned back to us keeps its fetch position in
+        # kafka-python (past the records dropped above): read them again from the first
+        # unanswered one, or they would never be answered (nor re-read by anyone).
+        for partition in assigned:
+            first = self._dropped.get(partition)
+            if first is not None:
+                self.consumer.seek(partition, first)
+        self._dropped.clear()  # the other partitions are their new owners' now
 
     # --- Kafka clients -------------------------------------------------------------------
 
@@ -363,3 +382,4 @@ class _RevokeListener(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned: Sequence[Any]) -> None:
         log.info("partitions assigned: %s", sorted(str(tp) for tp in assigned))
+        self.worker._seek_back_reassigned(assigned)

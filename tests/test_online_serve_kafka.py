@@ -478,7 +478,15 @@ def test_two_workers_split_the_partitions_and_answer_each_event_once(
             180, "answers from both workers",
         )  # fmt: skip
         stream.stop()
-        answers.wait_answered(list(sent.sent), 120)
+        try:
+            answers.wait_answered(list(sent.sent), 120)
+        except AssertionError:
+            missing = sorted(set(sent.sent) - set(answers.answers()))
+            where = [sent.offsets.get(e) for e in missing]
+            logs = "\n".join(w.log()[-3000:] for w in workers)
+            raise AssertionError(
+                f"unanswered {missing} at (partition, offset) {where}\n{logs}"
+            ) from None
         assert [w.stop(signal.SIGTERM) for w in workers] == [0, 0], workers[0].log()
     finally:
         stream.halt.set()

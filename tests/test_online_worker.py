@@ -259,6 +259,38 @@ def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
     assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}]
 
 
+def test_a_partition_assigned_back_is_read_again_from_its_first_dropped_record() -> None:
+    """An eager rebalance revokes every partition, then hands some back; kafka-python keeps
+    their fetch positions, so the worker must seek back to the records it dropped."""
+    tp0, tp1, tp2 = (TopicPartition(TOPIC, p) for p in range(3))
+
+    class RebalancingConsumer(FakeConsumer):
+        def poll(self, timeout_ms=0, max_records=None):
+            polled = super().poll(timeout_ms, max_records)
+            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
+                self.listener.on_partitions_revoked([tp0, tp1, tp2])
+                self.listener.on_partitions_assigned([tp1, tp2])  # tp0 went to another worker
+            return polled
+
+    consumer = RebalancingConsumer(
+        [[record(0, 7, "e7", "u0"), record(1, 3, "f3", "u1"), record(1, 4, "f4", "u2")]]
+    )
+
+    def factory(listener):
+        consumer.listener = listener
+        return consumer
+
+    producer = FakeProducer()
+    worker = OnlineWorker(
+        Settings(online={"batch_window_ms": 50}), EchoRecommender(),
+        ServingVersions(lambda: "v", ServingBundle).start(background=False),
+        consumer_factory=factory, producer_factory=lambda: producer,
+    )  # fmt: skip
+    worker.run(exit_when_idle_s=0.3)
+    assert consumer.seeks == [(1, 3)]  # back to f3 on tp1; tp0 is its new owner's
+    assert producer.sent == [] and consumer.commits == []
+
+
 def test_health_reports_the_serving_version() -> None:
     worker, *_ = make_worker([])
     ok, details = worker.health()
