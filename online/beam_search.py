@@ -414,6 +414,23 @@ def fill_single_children(
     return beams
 
 
+def retire_finished(
+    active: dict[int, Beams],
+    finished: dict[int, Beams],
+    trie: ItemTrie,
+    stats: Sequence[DecodeStats],
+    excluded: Sequence[list[torch.Tensor] | None],
+    score_mode: ScoreMode,
+) -> None:
+    """Fill forced levels without a model call (``"allowed"`` scores), then move every
+    user whose beams hold complete IDs from ``active`` to ``finished``."""
+    for b in list(active):
+        if score_mode == "allowed":
+            active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
+        if active[b].level == trie.layout.depth:
+            finished[b] = active.pop(b)
+
+
 def child_log_probs(
     scorer: ItemScorer,
     hidden: torch.Tensor,
@@ -545,11 +562,7 @@ def beam_search(
     finished: dict[int, Beams] = {}
     stats = [DecodeStats() for _ in range(n_users)]
     while active:
-        for b in list(active):
-            if score_mode == "allowed":
-                active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
-            if active[b].level == layout.depth:
-                finished[b] = active.pop(b)
+        retire_finished(active, finished, trie, stats, excluded, score_mode)
         if not active:
             break
         hidden = feed_beams(cache, active, "target")

@@ -71,9 +71,9 @@ from genrec.online.beam_search import (
     child_log_probs,
     excluded_nodes,
     feed_beams,
-    fill_single_children,
     initial_beams,
     maybe_compact,
+    retire_finished,
     top_k_children,
 )
 from genrec.online.prefix_kv import PrefixBatch
@@ -202,13 +202,7 @@ class _Speculation:
         active = {b: initial_beams(device, dtype, ("target", "draft")) for b in range(self.n_users)}
         finished: dict[int, Beams] = {}
         while active:
-            for b in list(active):
-                if self.score_mode == "allowed":
-                    active[b] = fill_single_children(
-                        active[b], self.trie, self.stats[b], self.excluded[b]
-                    )
-                if active[b].level == self.layout.depth:
-                    finished[b] = active.pop(b)
+            retire_finished(active, finished, self.trie, self.stats, self.excluded, self.score_mode)
             if not active:
                 break
             lengths = {b: self._draft_length(beams, gamma) for b, beams in active.items()}
@@ -436,11 +430,7 @@ def strict_acceptance_per_level(
     stats = [DecodeStats() for _ in range(n_users)]
     accepted = [[True] * n_users for _ in range(layout.depth)]
     while active:
-        for b in list(active):
-            if score_mode == "allowed":
-                active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
-            if active[b].level == layout.depth:
-                finished[b] = active.pop(b)
+        retire_finished(active, finished, trie, stats, excluded, score_mode)
         if not active:
             break
         hidden = {name: feed_beams(caches[name], active, name) for name in names}
