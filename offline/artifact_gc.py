@@ -47,34 +47,29 @@ def collect_old_versions(engine: Engine, keep_serving: Iterable[int]) -> dict[st
     while no serving version is kept. Returns how many of each were collected.
     """
     needed_models, needed_sids = _needed(engine, [int(v) for v in keep_serving])
-    counts = {"model_versions_collected": 0, "semantic_id_versions_collected": 0}
-    if not needed_models and not needed_sids:
-        return counts
-    with engine.connect() as connection:
-        models = connection.execute(
-            select(model_versions.c.version, model_versions.c.artifact_dir).where(
-                model_versions.c.status.not_in(_NEVER_COLLECTED)
-            )
-        ).all()
-        sids = connection.execute(
-            select(semantic_id_versions.c.version, semantic_id_versions.c.artifact_dir).where(
-                semantic_id_versions.c.status.not_in(_NEVER_COLLECTED),
-                semantic_id_versions.c.active.is_(False),
-            )
-        ).all()
-    # Only versions older than the oldest one still needed: a newer inactive one may be a
-    # build that a run is about to activate.
-    for version, folder in models:
-        if needed_models and int(version) < min(needed_models):
-            _collect(engine, model_versions, int(version), folder)
-            counts["model_versions_collected"] += 1
-    for version, folder in sids:
-        if needed_sids and int(version) < min(needed_sids):
-            _collect(engine, semantic_id_versions, int(version), folder)
-            counts["semantic_id_versions_collected"] += 1
+    counts = {}
+    for table, needed, key in (
+        (model_versions, needed_models, "model_versions_collected"),
+        (semantic_id_versions, needed_sids, "semantic_id_versions_collected"),
+    ):
+        # Only versions older than the oldest one still needed: a newer inactive one may
+        # be a build that a run is about to activate.
+        old = _collectable(engine, table, min(needed)) if needed else []
+        for version, folder in old:
+            _collect(engine, table, int(version), folder)
+        counts[key] = len(old)
     if any(counts.values()):
         log.info("collected %s", counts)
     return counts
+
+
+def _collectable(engine: Engine, table, below: int) -> list:
+    """(version, artifact_dir) of the versions of ``table`` below ``below`` not yet collected."""
+    where = [table.c.version < below, table.c.status.not_in(_NEVER_COLLECTED)]
+    if table is semantic_id_versions:
+        where.append(table.c.active.is_(False))
+    with engine.connect() as connection:
+        return connection.execute(select(table.c.version, table.c.artifact_dir).where(*where)).all()
 
 
 def _needed(engine: Engine, keep_serving: list[int]) -> tuple[set[int], set[int]]:
@@ -88,14 +83,12 @@ def _needed(engine: Engine, keep_serving: list[int]) -> tuple[set[int], set[int]
             )
         ).all()
         active_model = connection.execute(
-            select(model_versions.c.version, model_versions.c.semantic_id_version).where(
-                model_versions.c.status == "active"
-            )
+            select(model_versions.c.version).where(model_versions.c.status == "active")
         ).all()
         active_sid = connection.execute(
             select(semantic_id_versions.c.version).where(semantic_id_versions.c.active.is_(True))
         ).all()
-        models = {_number(m) for m, _ in pinned} | {_number(m) for m, _ in active_model}
+        models = {_number(m) for m, _ in pinned} | {_number(m) for (m,) in active_model}
         models.discard(None)
         # A kept model carries the semantic IDs it was trained on: they stay too.
         model_sids = connection.execute(
