@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,16 +79,13 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
     broker.down()
 
 
-@pytest.fixture
-def kafka_settings(kafka_broker):
-    """KafkaSettings for the test broker with this test's own topics, already created."""
-    import uuid as _uuid
-
+def fresh_kafka(kafka_broker):
+    """KafkaSettings for the test broker with their own topics, already created."""
     from genrec.infra.settings import KafkaSettings
     from genrec.infra.topics import create_topics
 
     kafka_broker.up(timeout=180.0)  # no-op unless an earlier test left it stopped
-    suffix = _uuid.uuid4().hex[:10]
+    suffix = uuid.uuid4().hex[:10]
     kafka = KafkaSettings(
         bootstrap=kafka_broker.bootstrap,
         client_id=f"genrec-test-{suffix}",
@@ -97,6 +95,21 @@ def kafka_settings(kafka_broker):
     )
     create_topics(kafka)
     return kafka
+
+
+@pytest.fixture
+def kafka_settings(kafka_broker):
+    """KafkaSettings for the test broker with this test's own topics, already created."""
+    return fresh_kafka(kafka_broker)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.2)
 
 
 # --- online -----------------------------------------------------------------

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import func, select
 
@@ -63,14 +64,6 @@ def count_events(database_url: str) -> int:
             return connection.execute(select(func.count()).select_from(events)).scalar_one()
     finally:
         engine.dispose()
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.5)
 
 
 def assert_exactly(database_url: str, n: int) -> None:

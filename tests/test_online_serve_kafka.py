@@ -29,7 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import SERVING_USERS
+from conftest import SERVING_USERS, fresh_kafka, wait_for
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 from sqlalchemy import insert, select
@@ -38,7 +38,6 @@ from genrec.infra.database import make_engine
 from genrec.infra.kafka_broker import pick_free_ports
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import KafkaSettings, Settings
-from genrec.infra.topics import create_topics
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 from genrec.schemas.tables import events, items
@@ -195,25 +194,10 @@ class Recommendations:
         self.consumer.close()
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
-def own_kafka(kafka_broker) -> KafkaSettings:
-    kafka_broker.up(timeout=180.0)
-    suffix = uuid.uuid4().hex[:10]
-    kafka = KafkaSettings(
-        bootstrap=kafka_broker.bootstrap,
-        topic_events=f"genrec.user-events.{suffix}",
-        topic_recommendations=f"genrec.recommendations.{suffix}",
-        topic_dlq=f"genrec.user-events.{suffix}.dlq",
-    )
-    create_topics(kafka)
-    return kafka
+def fresh_stream(kafka_broker) -> tuple[KafkaSettings, str, Events, Recommendations]:
+    """Own topics, a new consumer group, a producer of events and a reader of the answers."""
+    kafka = fresh_kafka(kafka_broker)
+    return kafka, f"genrec-online-{uuid.uuid4().hex[:6]}", Events(kafka), Recommendations(kafka)
 
 
 def committed_offsets(kafka: KafkaSettings, group: str) -> dict[int, int]:
@@ -257,7 +241,7 @@ def store_facts(home: Path) -> tuple[set[str], dict[str, set[str]], object]:
 @pytest.fixture(scope="module")
 def served(serving_home, kafka_broker, tmp_path_factory):
     """A running worker on the shared serving version, its events and its answers."""
-    kafka = own_kafka(kafka_broker)
+    kafka = fresh_kafka(kafka_broker)
     log_path = tmp_path_factory.mktemp("serve") / "worker.log"
     worker = Worker(serving_home, kafka, f"genrec-online-{uuid.uuid4().hex[:6]}", log_path)
     sent, answers = Events(kafka), Recommendations(kafka)
@@ -344,8 +328,7 @@ def test_metrics_and_healthz_answer(served) -> None:
 
 
 def test_sigterm_drains_the_batch_in_hand_and_commits(serving_home, kafka_broker, tmp_path) -> None:
-    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
-    sent, answers = Events(kafka), Recommendations(kafka)
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
     worker = Worker(serving_home, kafka, group, tmp_path / "worker.log")
     stream = EventStream(sent, rate=30)
     try:
@@ -377,8 +360,7 @@ def test_sigterm_drains_the_batch_in_hand_and_commits(serving_home, kafka_broker
 
 
 def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
-    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
-    sent, answers = Events(kafka), Recommendations(kafka)
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
     first = Worker(serving_home, kafka, group, tmp_path / "first.log")
     second = None
     stream = EventStream(sent, rate=30)
@@ -424,8 +406,7 @@ def test_activating_a_new_version_switches_without_lost_or_repeated_requests(
         connection.execute(insert(events).values(
             event_id="before-refresh", user_id="5", item_id="1", event_type="view",
             ts_ms=int(time.time() * 1000)))  # fmt: skip
-    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
-    sent, answers = Events(kafka), Recommendations(kafka)
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
     worker = Worker(home, kafka, group, tmp_path / "worker.log")
     stream = EventStream(sent, rate=30)
     try:
@@ -463,8 +444,7 @@ def test_activating_a_new_version_switches_without_lost_or_repeated_requests(
 def test_two_workers_split_the_partitions_and_answer_each_event_once(
     serving_home, kafka_broker, tmp_path
 ) -> None:
-    kafka, group = own_kafka(kafka_broker), f"genrec-online-{uuid.uuid4().hex[:6]}"
-    sent, answers = Events(kafka), Recommendations(kafka)
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
     workers = [Worker(serving_home, kafka, group, tmp_path / f"worker{n}.log") for n in range(2)]
     stream = EventStream(sent, rate=30)
     try:

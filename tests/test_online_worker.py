@@ -233,16 +233,8 @@ def test_stop_request_drains_the_batch_in_hand() -> None:
     assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}] and consumer.closed
 
 
-def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
-    class RevokingConsumer(FakeConsumer):
-        def poll(self, timeout_ms=0, max_records=None):
-            polled = super().poll(timeout_ms, max_records)
-            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
-                self.seeks.append("revoked")
-                self.listener.on_partitions_revoked([TopicPartition(TOPIC, 1)])
-            return polled
-
-    consumer = RevokingConsumer([[record(0, 0, "e0", "u0"), record(1, 0, "f0", "u1")]])
+def listening_worker(consumer: FakeConsumer) -> tuple[OnlineWorker, FakeProducer]:
+    """A worker with a 50 ms batch window whose rebalance listener ``consumer`` can call."""
 
     def factory(listener):
         consumer.listener = listener
@@ -254,6 +246,20 @@ def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
         ServingVersions(lambda: "v", ServingBundle).start(background=False),
         consumer_factory=factory, producer_factory=lambda: producer,
     )  # fmt: skip
+    return worker, producer
+
+
+def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
+    class RevokingConsumer(FakeConsumer):
+        def poll(self, timeout_ms=0, max_records=None):
+            polled = super().poll(timeout_ms, max_records)
+            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
+                self.seeks.append("revoked")
+                self.listener.on_partitions_revoked([TopicPartition(TOPIC, 1)])
+            return polled
+
+    consumer = RevokingConsumer([[record(0, 0, "e0", "u0"), record(1, 0, "f0", "u1")]])
+    worker, producer = listening_worker(consumer)
     worker.run(exit_when_idle_s=0.3)
     assert [m.event_id for _, m in producer.sent] == ["e0"]
     assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}]
@@ -275,17 +281,7 @@ def test_a_partition_assigned_back_is_read_again_from_its_first_dropped_record()
     consumer = RebalancingConsumer(
         [[record(0, 7, "e7", "u0"), record(1, 3, "f3", "u1"), record(1, 4, "f4", "u2")]]
     )
-
-    def factory(listener):
-        consumer.listener = listener
-        return consumer
-
-    producer = FakeProducer()
-    worker = OnlineWorker(
-        Settings(online={"batch_window_ms": 50}), EchoRecommender(),
-        ServingVersions(lambda: "v", ServingBundle).start(background=False),
-        consumer_factory=factory, producer_factory=lambda: producer,
-    )  # fmt: skip
+    worker, producer = listening_worker(consumer)
     worker.run(exit_when_idle_s=0.3)
     assert consumer.seeks == [(1, 3)]  # back to f3 on tp1; tp0 is its new owner's
     assert producer.sent == [] and consumer.commits == []
