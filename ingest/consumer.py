@@ -243,7 +243,7 @@ class Ingestor:
             written = self._writer.submit(self._write_timed, prepared.rows)
             return lambda: self._finish_store(prepared, *written.result())
         writer = self.writer_process
-        writer.send(prepared.message or writer.encode(prepared.rows))
+        writer.send(prepared.message)  # encoded by ``prepare``, off the writer's critical path
         return lambda: self._finish_store(
             prepared, writer.wait(stop=self._stop), writer.finished_at
         )
