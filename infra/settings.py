@@ -192,6 +192,11 @@ class SemanticIdSettings(BaseModel):
     embedding_batch_size: int = 128
     embedding_cache_dir: Path | None = None  # default: data_dir / "cache" / "embeddings"
     behavior_dim: int = 64  # truncated-SVD size of interaction embeddings (items without text)
+    # Share of co-occurrence in the RQ-VAE input (full builds): items watched together
+    # share ID prefixes. 0 = text-only IDs. See genrec.offline.cooccurrence_mix.
+    cooccurrence_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    cooccurrence_dim: int = Field(default=64, ge=1)
+    cooccurrence_window: int = Field(default=20, ge=1)  # positions apart that still co-occur
     levels: int = 3
     codes_per_level: int = 256
     dedup_codes: int = 32  # size of the last (dedup) level; fixed so refreshes keep the layout

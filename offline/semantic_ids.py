@@ -48,9 +48,10 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from sqlalchemy import Engine, insert, select, update
 
+from genrec.offline.cooccurrence_mix import CooccurrenceMix, held_out_sequences, mix_cooccurrence
 from genrec.offline.embeddings import BehaviorModel, ItemEmbeddings, compute_item_embeddings
 from genrec.offline.faiss_index import ItemIndex, build_item_index, residual_codes, save_index
-from genrec.offline.history import load_item_ids
+from genrec.offline.history import load_item_ids, load_user_histories
 from genrec.offline.rqvae import RQVAE, RQVAEConfig, assign_unique_ids, train_rqvae
 from genrec.schemas.tables import semantic_id_items, semantic_id_versions
 from genrec.schemas.token_layout import TokenLayout
@@ -230,8 +231,12 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
         embeddings = compute_item_embeddings(
             settings, engine, item_ids, mode=mode, behavior=behavior, progress=progress
         )
+        mix = CooccurrenceMix.load(old_dir)
+        if mix is not None:
+            embeddings.vectors = _refresh_mixed_vectors(old_dir, embeddings, mix)
     else:
         embeddings = compute_item_embeddings(settings, engine, item_ids, progress=progress)
+        mix = _mix_full_build(config, engine, embeddings)
     timings["embed_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -258,14 +263,18 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
 
     started = time.perf_counter()
     metrics = quality_report(model, embeddings, raw_codes, ids, layout)
-    metrics.update(moved_to_free_slot=moved, dead_code_resets=dead_resets)
+    metrics.update(
+        moved_to_free_slot=moved,
+        dead_code_resets=dead_resets,
+        cooccurrence_weight=mix.weight if mix is not None else 0.0,
+    )
     stability = (
         _stability(old, item_ids, ids)
         if old is not None
         else _stability_vs(engine, previous, item_ids, ids)
     )
     metrics["stability"] = stability
-    _write_artifacts(work_dir, model, embeddings, layout, metrics, settings)
+    _write_artifacts(work_dir, model, embeddings, layout, metrics, settings, mix)
     timings["report_and_artifacts_s"] = time.perf_counter() - started
     metrics["_ids"] = ids
     return BuildReport(
@@ -279,6 +288,35 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
         timings=timings,
         artifact_dir=str(work_dir),
     )
+
+
+def _mix_full_build(config, engine: Engine, embeddings: ItemEmbeddings) -> CooccurrenceMix | None:
+    """Mix co-occurrence into a full build's vectors (in place); the map, or None when off."""
+    if config.cooccurrence_weight <= 0:
+        return None
+    histories = load_user_histories(engine)
+    sequences = held_out_sequences({u: [e.item_id for e in h] for u, h in histories.items()})
+    embeddings.vectors, mix = mix_cooccurrence(
+        embeddings.item_ids,
+        embeddings.vectors,
+        sequences,
+        weight=config.cooccurrence_weight,
+        dim=config.cooccurrence_dim,
+        window=config.cooccurrence_window,
+    )
+    return mix
+
+
+def _refresh_mixed_vectors(old_dir: Path, embeddings: ItemEmbeddings, mix) -> np.ndarray:
+    """Existing items keep their stored mixed vectors; new ones get text + the mapped part."""
+    old_ids = json.loads((old_dir / "item_ids.json").read_text())
+    old_vectors = load_numpy(str(old_dir / "item_embeddings.safetensors"))["vectors"]
+    old_row = {item: row for row, item in enumerate(old_ids)}
+    vectors = mix.vectors(embeddings.vectors)
+    for row, item in enumerate(embeddings.item_ids):
+        if item in old_row:
+            vectors[row] = old_vectors[old_row[item]]
+    return vectors
 
 
 def _rqvae_config(config, input_dim: int) -> RQVAEConfig:
@@ -416,7 +454,7 @@ def _group_ids(codes: np.ndarray) -> np.ndarray:
 
 
 def _write_artifacts(
-    folder: Path, model: RQVAE, embeddings, layout, metrics: dict, settings
+    folder: Path, model: RQVAE, embeddings, layout, metrics: dict, settings, mix=None
 ) -> None:
     folder.mkdir(parents=True, exist_ok=False)
     config = settings.semantic_ids
@@ -428,6 +466,7 @@ def _write_artifacts(
         "embedding_mode": embeddings.mode,
         "embedding_model": config.embedding_model,
         "text_template": config.text_template,
+        "cooccurrence_weight": mix.weight if mix is not None else 0.0,
     }
     (folder / "rqvae.json").write_text(json.dumps(rq, indent=2))
     (folder / "layout.json").write_text(layout.to_json())
@@ -435,6 +474,8 @@ def _write_artifacts(
     save_numpy({"vectors": embeddings.vectors}, str(folder / "item_embeddings.safetensors"))
     if embeddings.behavior is not None:
         embeddings.behavior.save(folder)
+    if mix is not None:
+        mix.save(folder)
     index = build_item_index(
         embeddings.vectors, exact_max_items=config.index_exact_max_items, nprobe=config.index_nprobe
     )

@@ -90,8 +90,10 @@ def test_quality_report_within_bounds(built):
     assert metrics["embedding_sources"] == {"text": 1681, "behavior": 1, "hash": 0}
     assert metrics["reconstruction_mse"] < 1.0 / 384  # below predicting all zeros
     folder = Path(report.artifact_dir)
+    assert metrics["cooccurrence_weight"] == 0.5
     for name in ("rqvae.safetensors", "item_embeddings.safetensors", "items.faiss",
-                 "report.json", "codebook_usage.png", "layout.json"):  # fmt: skip
+                 "report.json", "codebook_usage.png", "layout.json",
+                 "cooccurrence_mix.safetensors"):  # fmt: skip
         assert (folder / name).exists(), name
     assert not list(folder.parent.glob(".v*"))  # no temporary folder left
 
@@ -99,7 +101,8 @@ def test_quality_report_within_bounds(built):
 def test_item_embeddings_and_index_for_ann_recall(built):
     settings, engine, _, _ = built
     item_ids, vectors = load_item_embeddings(settings, engine)
-    assert len(item_ids) == 1682 and vectors.shape == (1682, 384)
+    # 384 MiniLM dims + 64 co-occurrence dims (semantic_ids.cooccurrence_dim)
+    assert len(item_ids) == 1682 and vectors.shape == (1682, 384 + 64)
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     index = open_item_index(settings, engine)
     row = item_ids.index("1")  # Toy Story
@@ -158,6 +161,13 @@ def test_refresh_keeps_old_ids_and_gives_new_items_unique_ids(built, tmp_path):
     new_rows = [ids.index_of(item) for item in new_ids]
     ids.layout.decode(ids.tokens()[new_rows])  # valid tokens at every level
     assert (ids.codes[new_rows, -1] < 32).all()
+    # existing items keep their mixed vectors; new ones are placed in the same space
+    old_folder, new_folder = Path(report.artifact_dir), Path(refreshed.artifact_dir)
+    old_vectors = sid.load_numpy(str(old_folder / "item_embeddings.safetensors"))["vectors"]
+    new_vectors = sid.load_numpy(str(new_folder / "item_embeddings.safetensors"))["vectors"]
+    assert np.array_equal(new_vectors[: len(old.item_ids)], old_vectors)
+    assert np.allclose(np.linalg.norm(new_vectors[new_rows], axis=1), 1.0, atol=1e-5)
+    assert (new_folder / "cooccurrence_mix.safetensors").exists()
 
 
 def test_crash_mid_build_leaves_previous_version_active(built, tmp_path, monkeypatch):
@@ -210,7 +220,7 @@ def test_catalog_without_text_builds_from_interactions(ml100k_engine, tmp_path):
     ids = load_active_semantic_ids(engine)
     assert len({tuple(row) for row in ids.codes.tolist()}) == 1683
     _, vectors = load_item_embeddings(settings, engine)
-    assert vectors.shape == (1683, 64)
+    assert vectors.shape == (1683, 64 + 64)  # interaction SVD + co-occurrence
 
 
 def test_no_active_version_is_a_clear_error(tmp_path):
