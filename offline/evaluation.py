@@ -96,6 +96,54 @@ def evaluate_ranker(
     return evaluate_rankings(rankings, cases, ks), rankings
 
 
+def case_gains(
+    rankings: Sequence[Sequence[Recommendation]], cases: Sequence[Case], k: int
+) -> tuple[list[float], list[float]]:
+    """Per case: hit (0/1) and NDCG gain at cutoff ``k``, the terms the means average."""
+    hits, gains = [], []
+    for ranked, case in zip(rankings, cases, strict=True):
+        rank = target_rank(ranked, case, k)
+        hits.append(1.0 if rank is not None else 0.0)
+        gains.append(1.0 / math.log2(rank + 1) if rank is not None else 0.0)
+    return hits, gains
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Mean of a - b over the same cases with a normal 95% interval (paired, so the
+    users' shared difficulty cancels: tighter than comparing two separate intervals).
+
+    >>> paired_difference([1, 0, 1, 1], [0, 0, 1, 0])
+    {'diff': 0.5, 'ci95_low': -0.0658, 'ci95_high': 1.0658}
+    """
+    n = len(a)
+    if n != len(b) or n == 0:
+        raise ValueError(f"paired difference needs equal, non-empty samples ({n} vs {len(b)})")
+    deltas = [x - y for x, y in zip(a, b, strict=True)]
+    mean = sum(deltas) / n
+    variance = sum((d - mean) ** 2 for d in deltas) / max(n - 1, 1)
+    half = 1.96 * math.sqrt(variance / n)
+    return {"diff": mean, "ci95_low": round(mean - half, 4), "ci95_high": round(mean + half, 4)}
+
+
+def compare_to_branches(
+    lists: Mapping[str, Sequence[Sequence[Recommendation]]], cases: Sequence[Case], k: int = 10
+) -> dict[str, dict[str, dict[str, float]]]:
+    """``generative`` and ``merged`` minus each traditional branch, HR@k and NDCG@k, paired."""
+    per_list = {name: case_gains(rows, cases, k) for name, rows in lists.items()}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in ("generative", "merged"):
+        if name not in per_list:
+            continue
+        for branch in BRANCHES:
+            hits, gains = per_list[name]
+            base_hits, base_gains = per_list[branch]
+            out[f"{name} - {branch}"] = {
+                f"HR@{k}": paired_difference(hits, base_hits),
+                f"NDCG@{k}": paired_difference(gains, base_gains),
+            }
+    return out
+
+
 # --- the protocol's data ---------------------------------------------------------------
 
 
@@ -258,6 +306,8 @@ def run_protocol(
         notes.append("merged = merge(popularity, itemcf, ann): no generative list")
     merged = merge_rankings({n: lists[n] for n in merge_order}, k, recall, weights)
     results["merged"] = evaluate_rankings(merged, test_cases, ks)
+    compare_k = 10 if 10 in ks else k
+    report["paired"] = compare_to_branches({**lists, "merged": merged}, test_cases, compare_k)
     report["protocol"]["merge"] = {
         "method": recall.merge_method,
         "lists": merge_order,
@@ -345,6 +395,12 @@ def format_table(report: Mapping[str, Any]) -> str:
         lines.append(
             f"agreement {variant}: top-K overlap {stats.get('topk_overlap', 0):.3f}; strict acceptance per step [{steps}]"
         )
+    for pair, metrics in report.get("paired", {}).items():
+        cells = [
+            f"{name} {m['diff']:+.4f} [{m['ci95_low']:+.4f}, {m['ci95_high']:+.4f}]"
+            for name, m in metrics.items()
+        ]
+        lines.append(f"paired {pair}: " + "; ".join(cells))
     lines += [f"note: {note}" for note in report.get("notes", [])]
     return "\n".join(lines)
 

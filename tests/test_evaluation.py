@@ -12,6 +12,7 @@ from genrec.offline.evaluation import (
     evaluate_ranker,
     evaluate_rankings,
     format_table,
+    paired_difference,
     plot_report,
     run_protocol,
     target_rank,
@@ -114,6 +115,7 @@ def test_run_protocol_without_generative(ml100k_engine, tmp_path):
     assert results["merged"]["HR@10"] >= best_single  # measured 0.2248 vs 0.2216
     assert report["drafts"] == {} and report["agreement"] == {}
     assert any("skipped" in note for note in report["notes"])
+    assert set(report["paired"]) == {"merged - popularity", "merged - itemcf", "merged - ann"}
     json.dumps(report)  # the report is plain JSON
     table = format_table(report)
     assert "merged" in table and "NDCG@20" in table
@@ -154,3 +156,24 @@ def test_generative_rankers_plug_in(ml100k_engine, tmp_path, monkeypatch):
     assert report["protocol"]["merge"]["lists"][0] == "generative"
     assert ("target", 20) in calls
     assert "agreement sft" in format_table(report)
+    # the oracle beats every branch, and the paired interval says so
+    paired = report["paired"]["generative - itemcf"]["HR@10"]
+    assert paired["diff"] == pytest.approx(1.0 - results["itemcf"]["HR@10"])
+    assert 0 < paired["ci95_low"] < paired["diff"] < paired["ci95_high"]
+    assert set(report["paired"]) == {
+        f"{a} - {b}" for a in ("generative", "merged") for b in ("popularity", "itemcf", "ann")
+    }
+    assert "paired generative - ann" in format_table(report)
+
+
+def test_paired_difference_interval():
+    same = paired_difference([1, 0, 1], [1, 0, 1])
+    assert same == {"diff": 0.0, "ci95_low": 0.0, "ci95_high": 0.0}
+    # 100 cases, a wins 30, b wins 10: diff 0.2, sd 0.603, half-width 1.96 * 0.0603 = 0.118
+    a = [1.0] * 30 + [0.0] * 10 + [0.0] * 60
+    b = [0.0] * 30 + [1.0] * 10 + [0.0] * 60
+    result = paired_difference(a, b)
+    assert result["diff"] == pytest.approx(0.2)
+    assert result["ci95_low"] == pytest.approx(0.2 - 0.118, abs=0.002)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_difference([1.0], [])
