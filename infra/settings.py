@@ -266,7 +266,7 @@ class RecallSettings(BaseModel):
     # Tuned on ML-100K validation (genrec eval --tune-merge grid) with the `small` target
     # trained on training items only (a final-fit target has seen the validation items).
     merge_weights: dict[str, float] = Field(
-        default_factory=lambda: {"generative": 0.25, "itemcf": 1.0, "ann": 0.1, "popularity": 0.0}
+        default_factory=lambda: {"generative": 0.5, "itemcf": 1.0, "ann": 0.25, "popularity": 0.0}
     )
     merge_quotas: dict[str, int] = Field(default_factory=dict)  # empty: even shares of k
     merge_rrf_k: float = Field(default=20.0, ge=0)
