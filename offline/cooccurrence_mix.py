@@ -41,7 +41,6 @@ from safetensors.numpy import load_file, save_file
 
 from genrec.offline.embeddings import fit_projection
 from genrec.offline.recall import cooccurrence_embeddings, normalize_rows
-from genrec.offline.splits import MIN_EVENTS
 
 MIX_FILE = "cooccurrence_mix.safetensors"
 
@@ -77,14 +76,6 @@ class CooccurrenceMix:
         return normalize_rows(np.concatenate(parts, axis=1))
 
 
-def held_out_sequences(sequences: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
-    """Every user's items without the last one (the protocol's test item) when it has one."""
-    return {
-        user: list(items[:-1]) if len(items) >= MIN_EVENTS else list(items)
-        for user, items in sequences.items()
-    }
-
-
 def mix_cooccurrence(
     item_ids: Sequence[str],
     text: np.ndarray,
@@ -97,7 +88,7 @@ def mix_cooccurrence(
     """Mixed vectors of ``item_ids`` (rows of ``text``) and the map; unchanged text and None
     when no item co-occurs with another (nothing to learn from).
 
-    ``sequences`` should already be held out (``held_out_sequences``).
+    ``sequences`` should already leave the test items out (``Split.before_test``).
     """
     if not 0.0 < weight < 1.0 + 1e-9:
         raise ValueError(f"cooccurrence weight must be in (0, 1], got {weight}")

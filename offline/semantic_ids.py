@@ -48,11 +48,12 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from sqlalchemy import Engine, insert, select, update
 
-from genrec.offline.cooccurrence_mix import CooccurrenceMix, held_out_sequences, mix_cooccurrence
+from genrec.offline.cooccurrence_mix import CooccurrenceMix, mix_cooccurrence
 from genrec.offline.embeddings import BehaviorModel, ItemEmbeddings, compute_item_embeddings
 from genrec.offline.faiss_index import ItemIndex, build_item_index, residual_codes, save_index
-from genrec.offline.history import load_item_ids, load_user_histories
+from genrec.offline.history import load_item_ids
 from genrec.offline.rqvae import RQVAE, RQVAEConfig, assign_unique_ids, train_rqvae
+from genrec.offline.splits import load_split
 from genrec.schemas.tables import semantic_id_items, semantic_id_versions
 from genrec.schemas.token_layout import TokenLayout
 
@@ -153,7 +154,10 @@ def active_artifact_dir(engine: Engine) -> Path:
 def load_item_embeddings(settings, engine: Engine) -> tuple[list[str], np.ndarray]:
     """Item ids and unit embeddings (float32 [n, dim]) of the active version, for ANN recall."""
     del settings
-    folder = active_artifact_dir(engine)
+    return _read_item_embeddings(active_artifact_dir(engine))
+
+
+def _read_item_embeddings(folder: Path) -> tuple[list[str], np.ndarray]:
     item_ids = json.loads((folder / "item_ids.json").read_text())
     return item_ids, load_numpy(str(folder / "item_embeddings.safetensors"))["vectors"]
 
@@ -294,12 +298,10 @@ def _mix_full_build(config, engine: Engine, embeddings: ItemEmbeddings) -> Coocc
     """Mix co-occurrence into a full build's vectors (in place); the map, or None when off."""
     if config.cooccurrence_weight <= 0:
         return None
-    histories = load_user_histories(engine)
-    sequences = held_out_sequences({u: [e.item_id for e in h] for u, h in histories.items()})
     embeddings.vectors, mix = mix_cooccurrence(
         embeddings.item_ids,
         embeddings.vectors,
-        sequences,
+        load_split(engine).before_test(),
         weight=config.cooccurrence_weight,
         dim=config.cooccurrence_dim,
         window=config.cooccurrence_window,
@@ -309,8 +311,7 @@ def _mix_full_build(config, engine: Engine, embeddings: ItemEmbeddings) -> Coocc
 
 def _refresh_mixed_vectors(old_dir: Path, embeddings: ItemEmbeddings, mix) -> np.ndarray:
     """Existing items keep their stored mixed vectors; new ones get text + the mapped part."""
-    old_ids = json.loads((old_dir / "item_ids.json").read_text())
-    old_vectors = load_numpy(str(old_dir / "item_embeddings.safetensors"))["vectors"]
+    old_ids, old_vectors = _read_item_embeddings(old_dir)
     old_row = {item: row for row, item in enumerate(old_ids)}
     vectors = mix.vectors(embeddings.vectors)
     for row, item in enumerate(embeddings.item_ids):

@@ -38,6 +38,14 @@ class Split:
     valid: dict[str, Case]
     test: dict[str, Case]
 
+    def before_test(self) -> dict[str, list[str]]:
+        """Every user's items before their test item (all of them for users without one):
+        what a final fit may see without touching the test cases."""
+        return {
+            user: self.test[user].history if user in self.test else items
+            for user, items in self.train.items()
+        }
+
 
 def leave_one_out(sequences: Mapping[str, Sequence[str]]) -> Split:
     """Split each user's time-ordered item sequence; users with < 3 events train only."""

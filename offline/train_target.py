@@ -184,12 +184,8 @@ def training_sequences(split: Split, item_tokens: ItemTokens, with_valid: bool) 
     The test item is never included: with it, a user's sequence is exactly the
     history of their test case.
     """
-    if not with_valid:
-        return [item_tokens.known(items) for items in split.train.values()]
-    return [
-        item_tokens.known(split.test[user].history if user in split.test else items)
-        for user, items in split.train.items()
-    ]
+    sequences = split.before_test() if with_valid else split.train
+    return [item_tokens.known(items) for items in sequences.values()]
 
 
 def train_target(

@@ -1,13 +1,11 @@
-"""Co-occurrence mixed into the semantic-ID input: held-out rule, geometry, cold items, save/load."""
+"""Co-occurrence mixed into the semantic-ID input: held-out rule (``Split.before_test``), geometry,
+cold items, save/load."""
 
 import numpy as np
 import pytest
 
-from genrec.offline.cooccurrence_mix import (
-    CooccurrenceMix,
-    held_out_sequences,
-    mix_cooccurrence,
-)
+from genrec.offline.cooccurrence_mix import CooccurrenceMix, mix_cooccurrence
+from genrec.offline.splits import leave_one_out
 
 
 def random_text(n: int, dim: int = 16, seed: int = 0) -> np.ndarray:
@@ -17,7 +15,7 @@ def random_text(n: int, dim: int = 16, seed: int = 0) -> np.ndarray:
 
 def test_held_out_sequences_drop_each_users_test_item_only():
     sequences = {"long": ["a", "b", "c", "d"], "three": ["a", "b", "c"], "short": ["a", "b"]}
-    assert held_out_sequences(sequences) == {
+    assert leave_one_out(sequences).before_test() == {
         "long": ["a", "b", "c"],
         "three": ["a", "b"],
         "short": ["a", "b"],  # no test case: every event is training data
