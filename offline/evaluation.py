@@ -51,25 +51,34 @@ def evaluate_rankings(
     ks: Sequence[int] = DEFAULT_KS,
 ) -> dict[str, float | int]:
     """Mean HR@k and NDCG@k (one relevant item: 1 / log2(rank + 1), rank from 1)."""
-    if len(rankings) != len(cases):
-        raise ValueError(f"{len(rankings)} rankings for {len(cases)} cases")
     if not ks or min(ks) < 1:
         raise ValueError(f"ks must be positive cutoffs, got {ks}")
-    hits = dict.fromkeys(ks, 0.0)
-    gains = dict.fromkeys(ks, 0.0)
-    for ranked, case in zip(rankings, cases, strict=True):
-        rank = target_rank(ranked, case, max(ks))
-        for k in ks:
-            if rank is not None and rank <= k:
-                hits[k] += 1.0
-                gains[k] += 1.0 / math.log2(rank + 1)
+    ranks = case_ranks(rankings, cases, max(ks))
     n = max(len(cases), 1)
     metrics: dict[str, float | int] = {}
     for k in ks:
-        metrics[f"HR@{k}"] = hits[k] / n
-        metrics[f"NDCG@{k}"] = gains[k] / n
+        metrics[f"HR@{k}"] = sum(hit(rank, k) for rank in ranks) / n
+        metrics[f"NDCG@{k}"] = sum(gain(rank, k) for rank in ranks) / n
     metrics["users"] = len(cases)
     return metrics
+
+
+def case_ranks(
+    rankings: Sequence[Sequence[Recommendation]], cases: Sequence[Case], depth: int
+) -> list[int | None]:
+    """Per case, the target's rank within ``depth`` (``target_rank``), or None."""
+    if len(rankings) != len(cases):
+        raise ValueError(f"{len(rankings)} rankings for {len(cases)} cases")
+    return [target_rank(ranked, case, depth) for ranked, case in zip(rankings, cases, strict=True)]
+
+
+def hit(rank: int | None, k: int) -> float:
+    return 1.0 if rank is not None and rank <= k else 0.0
+
+
+def gain(rank: int | None, k: int) -> float:
+    """NDCG term of one case with one relevant item: 1 / log2(rank + 1) within k."""
+    return 1.0 / math.log2(rank + 1) if rank is not None and rank <= k else 0.0
 
 
 def target_rank(ranked: Sequence[Recommendation], case: Case, depth: int) -> int | None:
@@ -96,18 +105,6 @@ def evaluate_ranker(
     return evaluate_rankings(rankings, cases, ks), rankings
 
 
-def case_gains(
-    rankings: Sequence[Sequence[Recommendation]], cases: Sequence[Case], k: int
-) -> tuple[list[float], list[float]]:
-    """Per case: hit (0/1) and NDCG gain at cutoff ``k``, the terms the means average."""
-    hits, gains = [], []
-    for ranked, case in zip(rankings, cases, strict=True):
-        rank = target_rank(ranked, case, k)
-        hits.append(1.0 if rank is not None else 0.0)
-        gains.append(1.0 / math.log2(rank + 1) if rank is not None else 0.0)
-    return hits, gains
-
-
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
     """Mean of a - b over the same cases with a normal 95% interval (paired, so the
     users' shared difficulty cancels: tighter than comparing two separate intervals).
@@ -129,19 +126,24 @@ def compare_to_branches(
     lists: Mapping[str, Sequence[Sequence[Recommendation]]], cases: Sequence[Case], k: int = 10
 ) -> dict[str, dict[str, dict[str, float]]]:
     """``generative`` and ``merged`` minus each traditional branch, HR@k and NDCG@k, paired."""
-    per_list = {name: case_gains(rows, cases, k) for name, rows in lists.items()}
+    ranks = {name: case_ranks(rows, cases, k) for name, rows in lists.items()}
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("generative", "merged"):
-        if name not in per_list:
+        if name not in ranks:
             continue
         for branch in BRANCHES:
-            hits, gains = per_list[name]
-            base_hits, base_gains = per_list[branch]
             out[f"{name} - {branch}"] = {
-                f"HR@{k}": paired_difference(hits, base_hits),
-                f"NDCG@{k}": paired_difference(gains, base_gains),
+                f"{metric}@{k}": paired_difference(
+                    [term(r, k) for r in ranks[name]], [term(r, k) for r in ranks[branch]]
+                )
+                for metric, term in (("HR", hit), ("NDCG", gain))
             }
     return out
+
+
+def headline_k(ks: Sequence[int]) -> int:
+    """The cutoff the paired comparison and the plot use: 10 when evaluated, else the largest."""
+    return 10 if 10 in ks else max(ks)
 
 
 # --- the protocol's data ---------------------------------------------------------------
@@ -306,8 +308,7 @@ def run_protocol(
         notes.append("merged = merge(popularity, itemcf, ann): no generative list")
     merged = merge_rankings({n: lists[n] for n in merge_order}, k, recall, weights)
     results["merged"] = evaluate_rankings(merged, test_cases, ks)
-    compare_k = 10 if 10 in ks else k
-    report["paired"] = compare_to_branches({**lists, "merged": merged}, test_cases, compare_k)
+    report["paired"] = compare_to_branches({**lists, "merged": merged}, test_cases, headline_k(ks))
     report["protocol"]["merge"] = {
         "method": recall.merge_method,
         "lists": merge_order,
@@ -412,8 +413,7 @@ def plot_report(report: Mapping[str, Any], path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks = report["protocol"]["ks"]
-    k = 10 if 10 in ks else max(ks)
+    k = headline_k(report["protocol"]["ks"])
     rows = {**report["results"], **{f"draft:{n}": m for n, m in report.get("drafts", {}).items()}}
     names = list(rows)
     x = range(len(names))
