@@ -236,20 +236,23 @@ _FIELD_NAMES = ("event_id", "user_id", "item_id", "event_type", "ts", "value", "
 
 def validate_event(raw: bytes | None, max_bytes: int = 64 * 1024) -> UserEvent | Rejection:
     """Raw Kafka message value -> ``UserEvent``, or the ``Rejection`` that explains why not."""
-    problem = _check_bytes(raw, max_bytes)
-    if problem is not None:
-        return problem
-    fields = fast_event_fields(raw)
-    if fields is not None:
-        return UserEvent.model_construct(**dict(zip(_FIELD_NAMES, fields, strict=True)))
-    try:
-        return UserEvent.model_validate_json(raw)
-    except ValidationError as exc:
-        return classify_errors(exc)
+    outcome = _validate(raw, max_bytes)
+    if type(outcome) is tuple:
+        return UserEvent.model_construct(**dict(zip(_FIELD_NAMES, outcome, strict=True)))
+    return outcome
 
 
 def validate_event_fields(raw: bytes | None, max_bytes: int = 64 * 1024) -> EventFields | Rejection:
     """``validate_event`` as a plain ``EventFields`` tuple: no model object on the common path."""
+    outcome = _validate(raw, max_bytes)
+    if type(outcome) is UserEvent:
+        return tuple(getattr(outcome, name) for name in _FIELD_NAMES)
+    return outcome
+
+
+def _validate(raw: bytes | None, max_bytes: int) -> EventFields | UserEvent | Rejection:
+    """The checks both share: size and encoding, then the fast path (fields), else the
+    pydantic model (an event, or the ``Rejection`` it explains)."""
     problem = _check_bytes(raw, max_bytes)
     if problem is not None:
         return problem
@@ -257,18 +260,9 @@ def validate_event_fields(raw: bytes | None, max_bytes: int = 64 * 1024) -> Even
     if fields is not None:
         return fields
     try:
-        event = UserEvent.model_validate_json(raw)
+        return UserEvent.model_validate_json(raw)
     except ValidationError as exc:
         return classify_errors(exc)
-    return (
-        event.event_id,
-        event.user_id,
-        event.item_id,
-        event.event_type,
-        event.ts,
-        event.value,
-        event.context,
-    )
 
 
 def _check_bytes(raw: bytes | None, max_bytes: int) -> Rejection | None:
