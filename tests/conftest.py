@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine, func, insert, select
 
 from genrec.infra.database import make_engine
 from genrec.infra.postgres import LocalPostgres, PostgresUnavailable
@@ -110,6 +110,16 @@ def wait_for(condition, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(0.2)
+
+
+def count_rows(database_url: str, table=events) -> int:
+    """Rows in ``table`` of the store at ``database_url`` (a fresh engine, disposed after)."""
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            return connection.execute(select(func.count()).select_from(table)).scalar_one()
+    finally:
+        engine.dispose()
 
 
 # --- online -----------------------------------------------------------------

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import count_rows, wait_for
 from kafka import KafkaConsumer, KafkaProducer
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import IngestSettings, Settings
@@ -53,15 +53,6 @@ def stored_ids(database_url: str) -> list[str]:
             return list(
                 connection.execute(select(events.c.event_id).order_by(events.c.id)).scalars()
             )
-    finally:
-        engine.dispose()
-
-
-def count_events(database_url: str) -> int:
-    engine = make_engine(database_url)
-    try:
-        with engine.connect() as connection:
-            return connection.execute(select(func.count()).select_from(events)).scalar_one()
     finally:
         engine.dispose()
 
@@ -193,9 +184,7 @@ def test_kill_9_mid_stream_then_restart_stores_each_event_once(
     produce_range(settings, 0, 6000)
     first = ingest_process(settings, log_path, "--exit-when-idle", "120")
     try:
-        wait_for(
-            lambda: count_events(database_url) >= 600, 120, "the first process to store events"
-        )
+        wait_for(lambda: count_rows(database_url) >= 600, 120, "the first process to store events")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
@@ -231,7 +220,7 @@ def test_sigterm_drains_and_exits_zero_and_metrics_answer(kafka_settings, tmp_pa
         )  # fmt: skip
 
     try:
-        wait_for(lambda: count_events(url) == 2000, 120, "all events stored")
+        wait_for(lambda: count_rows(url) == 2000, 120, "all events stored")
         wait_for(lambda: stored_metric() == 2000, 30, "the stored-events metric")
         status, body = get("/healthz")
         health = json.loads(body)
@@ -256,7 +245,7 @@ def test_broker_restart_mid_stream_loses_nothing(kafka_broker, kafka_settings, t
         time.sleep(2)  # the consumer now polls, commits and reconnects into a void
         kafka_broker.up(timeout=180)
         produce_range(settings, 5000, 8000)
-        wait_for(lambda: count_events(url) == 8000, 180, "ingest to resume after the outage")
+        wait_for(lambda: count_rows(url) == 8000, 180, "ingest to resume after the outage")
     finally:
         ingestor.stop()
         thread.join(timeout=60)
@@ -278,7 +267,7 @@ def test_two_processes_share_partitions_and_store_each_event_once(
     try:
         wait_for(lambda: "partitions assigned: ['" in logs[0].read_text(), 120, "A's partitions")
         producer.start()
-        wait_for(lambda: count_events(database_url) >= 2000, 120, "A to store events")
+        wait_for(lambda: count_rows(database_url) >= 2000, 120, "A to store events")
         processes.append(ingest_process(settings, logs[1], "--exit-when-idle", "8"))
         producer.join(timeout=120)
         for process, path in zip(processes, logs, strict=True):

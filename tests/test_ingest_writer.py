@@ -14,14 +14,14 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
+from conftest import count_rows
 from kafka.structs import TopicPartition
-from sqlalchemy import func, select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
 from genrec.ingest.consumer import Ingestor, uses_writer_process
 from genrec.ingest.writer import WriteFailed, WriterProcess, decode_batch, encode_batch
-from genrec.schemas.tables import events, users
+from genrec.schemas.tables import users
 
 Record = namedtuple("Record", "topic partition offset key value timestamp")
 
@@ -31,15 +31,6 @@ def rows(n: int, start: int = 0, user: str = "u1") -> list[tuple]:
         (f"e{i}", user, f"i{i}", "view", 1_000 + i, None, None, "t", 0, i)
         for i in range(start, start + n)
     ]
-
-
-def count(url: str, table=events) -> int:
-    engine = make_engine(url)
-    try:
-        with engine.connect() as connection:
-            return connection.execute(select(func.count()).select_from(table)).scalar_one()
-    finally:
-        engine.dispose()
 
 
 def gone(pid: int) -> bool:
@@ -99,7 +90,7 @@ def test_round_trip_is_idempotent_and_closes_cleanly(writer):
     assert writer.wait() == 300
     writer.send(writer.encode(rows(300, start=200)))
     assert writer.wait() == 200  # e200..e299 were stored already
-    assert count(url) == 500 and count(url, users) == 1
+    assert count_rows(url) == 500 and count_rows(url, users) == 1
     writer.close()
     assert gone(pid) and not multiprocessing.active_children()
     writer.close()  # idempotent
@@ -123,7 +114,7 @@ def test_a_dead_child_is_replaced_and_the_batch_sent_again(writer):
     writer.send(writer.encode(rows(50)))
     assert writer.wait() == 50
     assert writer.restarts == 1 and writer.pid != first and gone(first)
-    assert count(url) == 50
+    assert count_rows(url) == 50
 
 
 def test_database_errors_are_retried_until_stop(writer, caplog):
@@ -159,7 +150,7 @@ def test_errors_that_are_not_the_databases_are_raised_at_once(writer):
     writer.send(writer.encode(bad))
     with pytest.raises(WriteFailed, match="TypeError"):
         writer.wait()
-    assert count(url) == 0  # one transaction: nothing of the batch stayed
+    assert count_rows(url) == 0  # one transaction: nothing of the batch stayed
 
 
 def test_a_child_that_keeps_dying_is_given_up_on(writer, monkeypatch):
@@ -264,5 +255,5 @@ def test_ingestor_stores_through_the_writer_process(tmp_path):
     stats = ingestor.run(exit_when_idle_s=0.0)
     assert (stats.events_stored, stats.events_rejected, stats.batches) == (299, 1, 3)
     assert ingestor.consumer.committed == {tp: 300} and len(dead.letters) == 1
-    assert count(str(settings.database_url)) == 299
+    assert count_rows(str(settings.database_url)) == 299
     assert gone(pid) and not multiprocessing.active_children()
