@@ -13,7 +13,7 @@ def random_text(n: int, dim: int = 16, seed: int = 0) -> np.ndarray:
     return vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
 
 
-def test_held_out_sequences_drop_each_users_test_item_only():
+def test_before_test_drops_each_users_test_item_only():
     sequences = {"long": ["a", "b", "c", "d"], "three": ["a", "b", "c"], "short": ["a", "b"]}
     assert leave_one_out(sequences).before_test() == {
         "long": ["a", "b", "c"],
