@@ -25,14 +25,13 @@ Example::
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from genrec.online.prefix_kv import cache_argument, output_cache
 from genrec.schemas.token_layout import SCRATCH_SPECIAL_TOKENS, TokenLayout
 
 
@@ -211,7 +210,7 @@ def item_logits(
 
     Index ``j`` of the last axis is token ``layout.item_token_start + j``.
     """
-    cache_kwarg = {_cache_argument(type(model.model)): past_key_values}
+    cache_kwarg = {cache_argument(type(model.model)): past_key_values}
     outputs = model.model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -224,15 +223,7 @@ def item_logits(
     bias = getattr(model.lm_head, "bias", None)
     if bias is not None:
         logits = logits + bias[layout.item_token_start : layout.item_token_end]
-    cache = getattr(outputs, "cache", None)
-    return logits, cache if cache is not None else getattr(outputs, "past_key_values", None)
-
-
-@functools.cache
-def _cache_argument(model_class: type) -> str:
-    # transformers renamed ``past_key_values`` to ``cache`` in 5.x; accept both.
-    parameters = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
+    return logits, output_cache(outputs)
 
 
 def level_masks(layout: TokenLayout, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -148,6 +148,8 @@ def make_teacher_data(
     """The target's top-``k`` beams and per-level log-probs for each prompt (batched)."""
     target.eval()
     device = next(target.parameters()).device
+    # level_log_probs indexes the trie with tensors on the model's device
+    tree = tree.to(device)
     decoded = decode_batched(target, tree, prompts, k, batch_size=batch_size, progress=progress)
     if (decoded.item_index < 0).any():
         raise ValueError(f"teacher beams need at least k={k} items in the catalog")
@@ -243,6 +245,9 @@ def align_draft(
     device = pick_device()
     layout = tree.layout
     draft = copy.deepcopy(sft_draft).to(device).train()
+    # level_log_probs indexes the trie with node ids on the draft's device ("cuda:0", which
+    # ItemTrie.to matches; "cuda" would make it copy the trie again)
+    tree = tree.to(next(draft.parameters()).device)
     k = k or teacher.beams.shape[1]
     offsets = torch.as_tensor([layout.level_start(i) for i in range(layout.depth)])
     count = len(teacher.prompts)

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from genrec.online.prefix_kv import PrefixBatch
+from genrec.online.prefix_kv import PrefixBatch, cache_argument, output_cache
 from genrec.online.trie import ItemTrie
 from genrec.schemas.token_layout import TokenLayout
 
@@ -305,10 +305,10 @@ class TreeCache:
             input_ids=ids,
             position_ids=positions,
             attention_mask=mask[:, None],
-            cache=self.cache,
             use_cache=True,
+            **{cache_argument(type(self.base)): self.cache},
         )
-        self.cache = output.cache
+        self.cache = output_cache(output)
         self.ctx = torch.cat([self.ctx, new_ctx], 1)
         hidden = output.last_hidden_state
         return {b: hidden[b, : nb.size] for b, nb in builders.items()}

@@ -23,8 +23,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,6 +37,23 @@ FORMAT = "genrec-prefix-kv/1"
 
 class ModelVersionMismatch(ValueError):
     """A prefix cache was computed by another model version than the one serving."""
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The KV-cache keyword of ``model_class.forward``: ``cache`` or ``past_key_values``.
+
+    transformers renamed ``past_key_values`` to ``cache`` during 5.x (5.17 still has the old
+    name, 5.24 the new one); an unknown keyword is swallowed by ``**kwargs``, so pick by name.
+    """
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def output_cache(output: Any):
+    """The KV cache a forward returned, under either name (see ``cache_argument``)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 @dataclass
@@ -116,7 +136,7 @@ def compute_prefix_kv(
             position_ids=positions.to(device),
             use_cache=True,
         )
-        layers = output.cache.layers
+        layers = output_cache(output).layers
         for row, prompt in enumerate(prompts[start : start + batch_size]):
             n = len(prompt) - 1
             keys = [layer.keys[row, :, width - n :].clone() for layer in layers]

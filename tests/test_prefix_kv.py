@@ -11,6 +11,7 @@ from genrec.online.decoding_bench import TEST_PRESETS, BenchModels, load_models
 from genrec.online.prefix_kv import (
     ModelVersionMismatch,
     PrefixBatch,
+    cache_argument,
     compute_prefix_kv,
     load_prefix_kv,
     save_prefix_kv,
@@ -46,7 +47,8 @@ def test_cached_prefix_plus_suffix_gives_the_same_next_token_logits(case: BenchM
         cache = DynamicCache(ddp_cache_data=layers, config=case.target.config)
         tail = prefix_kv.prompt_ids[-1:] + suffix
         positions = torch.arange(prefix_kv.length, prefix_kv.length + len(tail))[None]
-        got = case.target(torch.tensor([tail]), position_ids=positions, cache=cache).logits[0, -1]
+        cache_kwarg = {cache_argument(type(case.target)): cache}  # either transformers 5.x name
+        got = case.target(torch.tensor([tail]), position_ids=positions, **cache_kwarg).logits[0, -1]
         torch.testing.assert_close(got, expected)
 
 
