@@ -27,8 +27,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     decode.add_argument("--seed", type=int, default=0)
     decode.add_argument("--threads", type=int, default=1, help="torch threads (1: steadiest)")
     decode.add_argument(
-        "--clock", choices=["cpu", "wall"], default="cpu",
-        help="time ratios on process CPU time (robust on a shared machine) or wall time",
+        "--clock", choices=["auto", "cpu", "wall"], default="auto",
+        help="process CPU time (robust on a shared machine) or wall time; auto: wall on a "
+        "GPU (synchronized), CPU time otherwise",
     )  # fmt: skip
     decode.add_argument(
         "--n-draft", type=int, default=None, help="draft beams N (default: settings)"

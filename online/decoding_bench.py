@@ -16,8 +16,10 @@ under var/bench/); ``tiny`` is the tests' float64 pair. ``small`` and
 train --preset ...``): its target, AtSpeed-S draft (strict) and AtSpeed-R draft
 (relaxed), its trie, and held-out test users of the store's leave-one-out split
 (their seen items excluded, as in serving and ``genrec eval``), so HR@K is real.
-Times are process CPU time by default (``--clock``): on a machine shared with
-other jobs, wall time mostly measures the neighbours.
+Times are process CPU time by default on a CPU (``--clock``): on a machine
+shared with other jobs, wall time mostly measures the neighbours. On a GPU the
+default is wall time with the device synchronized around every timed call
+(CPU time would miss the kernels).
 
 Example::
 
@@ -229,12 +231,16 @@ def run_decode_bench(
     decode,
     json_path: Path | None = None,
     png_path: Path | None = None,
-    clock: str = "cpu",
+    clock: str = "auto",
     n_draft: int | None = None,
 ) -> dict:
-    """Time every mode for every (K, batch size) on the same users; returns the JSON report."""
+    """Time every mode for every (K, batch size) on the same users; returns the JSON report.
+
+    ``clock``: "cpu", "wall", or "auto" (wall on a GPU, CPU time otherwise).
+    """
     from genrec.online.prefix_kv import compute_prefix_kv
 
+    clock = resolve_clock(clock, next(models.target.parameters()).device)
     users = models.eval_users[:n_users]
     n_draft = n_draft or decode.draft_beam_width
     depth = models.layout.depth
@@ -294,6 +300,18 @@ def run_decode_bench(
     return report
 
 
+def resolve_clock(clock: str, device: torch.device) -> str:
+    """"auto" -> "wall" on a GPU (kernels run asynchronously, off the process's CPU time)."""
+    if clock != "auto":
+        return clock
+    return "wall" if device.type == "cuda" else "cpu"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft, decode, clock):
     """One (K, batch size): every mode over the same batches; returns (row, strict == target-only)."""
     from genrec.online.beam_search import beam_search
@@ -327,11 +345,14 @@ def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft,
         run(mode, batches[0])
     row = {"k": k, "batch_size": bs}
     results: dict[str, list] = {mode: [] for mode in MODES}
+    device = next(models.target.parameters()).device
     for mode in MODES:
         wall_ms, cpu_ms = [], []
         for rows in batches:
+            _synchronize(device)
             wall, cpu = time.perf_counter(), time.process_time()
             results[mode].append(run(mode, rows))
+            _synchronize(device)
             cpu_ms.append(1000 * (time.process_time() - cpu) / len(rows))
             wall_ms.append(1000 * (time.perf_counter() - wall) / len(rows))
         row[mode] = _mode_summary(wall_ms, cpu_ms, clock, results[mode], users, batches)
@@ -476,10 +497,11 @@ def measure_verification(
     """
     from transformers import DynamicCache
 
-    from genrec.online.prefix_kv import compute_prefix_kv
+    from genrec.online.prefix_kv import cache_argument, compute_prefix_kv
 
     target = models.target
     base = target.get_decoder()
+    cache_kwarg = cache_argument(type(base))
     device = next(target.parameters()).device
     prompt = users[0].prompt
     (prefix,) = compute_prefix_kv(target, [prompt], "verify")
@@ -503,8 +525,8 @@ def measure_verification(
             input_ids=tokens[None, :q],
             position_ids=positions,
             attention_mask=mask,
-            cache=cache,
             use_cache=True,
+            **{cache_kwarg: cache},
         )
 
     def expansion_call():
@@ -520,7 +542,7 @@ def measure_verification(
         )
         ids = tokens[: gamma + 1].expand(n_draft, -1)
         positions = (n_prompt + torch.arange(gamma + 1, device=device)).expand(n_draft, -1)
-        base(input_ids=ids, position_ids=positions, cache=cache, use_cache=True)
+        base(input_ids=ids, position_ids=positions, use_cache=True, **{cache_kwarg: cache})
 
     timings = {}
     now = time.process_time if clock == "cpu" else time.perf_counter
@@ -533,8 +555,10 @@ def measure_verification(
         call()
         samples = []
         for _ in range(repeats):
+            _synchronize(device)
             start = now()
             call()
+            _synchronize(device)
             samples.append(1000 * (now() - start))
         timings[f"{name}_ms"] = statistics.median(samples)
     timings.update(prompt_tokens=len(prompt), k=k, n_draft=n_draft, gamma=gamma)

@@ -466,7 +466,9 @@ class ModelDecoder:
             self.trie = ItemTrie(table, self.layout)
         self.draft_name = _pick_draft(models.drafts, settings)
         self.draft = None if self.draft_name is None else models.drafts[self.draft_name]
-        self.generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        # Relaxed acceptance samples on the CPU (a few hundred draws per step), so the
+        # generator is a CPU one on every device.
+        self.generator = torch.Generator().manual_seed(settings.seed)
         self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch:

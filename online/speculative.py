@@ -144,7 +144,8 @@ def speculative_beam_search(
 
     ``prompts``: token-id lists; or a target ``PrefixBatch`` (the draft then
     prefills the full prompts itself); or a (target, draft) pair of those.
-    ``generator`` seeds relaxed sampling (default: seed 0). ``exclude[b]``:
+    ``generator`` seeds relaxed sampling (default: seed 0); it is a CPU generator
+    on every device, as the acceptance draws run on the CPU. ``exclude[b]``:
     catalog rows user ``b`` must not get, masked as in ``beam_search`` for the
     target and the draft alike.
     """
