@@ -14,6 +14,7 @@ from genrec.online.prefix_kv import (
     cache_argument,
     compute_prefix_kv,
     load_prefix_kv,
+    output_cache,
     save_prefix_kv,
 )
 from genrec.online.speculative import speculative_beam_search
@@ -110,3 +111,26 @@ def test_a_bos_only_prompt_has_an_empty_cache(case: BenchModels):
     assert torch.equal(
         beam_search(case.target, batch, case.trie, case.layout, 5).tokens, reference.tokens
     )
+
+
+def test_the_cache_keyword_follows_the_installed_transformers():
+    """transformers 5.17 takes ``past_key_values``, 5.24 ``cache``: an unknown keyword would be
+    swallowed by ``**kwargs`` and the model would silently run without its cache."""
+
+    class Old:
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class New:
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    assert cache_argument(Old) == "past_key_values"
+    assert cache_argument(New) == "cache"
+    marker = object()
+
+    class OldOutput:
+        past_key_values = marker
+
+    class NewOutput:
+        cache = marker
+
+    assert output_cache(OldOutput()) is marker and output_cache(NewOutput()) is marker
