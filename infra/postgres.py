@@ -55,7 +55,8 @@ class LocalPostgres:
         self.data_dir = root / "data"
 
     @classmethod
-    def start(cls, timeout: float = 60.0) -> LocalPostgres:
+    def start(cls, timeout: float = 60.0, fsync: bool = False) -> LocalPostgres:
+        """initdb + start on a free port; ``fsync`` off (tests) unless a benchmark asks."""
         bindir = find_postgres_bindir()
         run_as = "postgres" if os.geteuid() == 0 else None
         root = Path(tempfile.mkdtemp(prefix="genrec-pg-"))
@@ -66,7 +67,10 @@ class LocalPostgres:
         server._run(
             "initdb", "-D", str(server.data_dir), "-U", "postgres", "-A", "trust", "-E", "UTF8"
         )
-        options = f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off"
+        options = (
+            f"-p {server.port} -k {root} -c listen_addresses=127.0.0.1 "
+            f"-c fsync={'on' if fsync else 'off'}"
+        )
         server._run(
             "pg_ctl", "-D", str(server.data_dir), "-l", str(root / "server.log"),
             "-o", options, "-w", "-t", str(int(timeout)), "start",

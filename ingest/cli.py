@@ -65,6 +65,11 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         description="Produce N events to a fresh topic; time a bare consumer and the ingest path.",
     )
     bench_ingest.add_argument("--events", type=int, default=200_000)
+    bench_ingest.add_argument(
+        "--stores", default="sqlite",
+        help="comma-separated: sqlite (a temporary file), postgres (a private local cluster "
+        "started for the run, fsync on; needs the PostgreSQL server binaries)",
+    )  # fmt: skip
     bench_ingest.add_argument("--json", type=Path, default=None, help="also write the figures here")
     bench_ingest.set_defaults(handler=_bench)
 
@@ -128,8 +133,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    from genrec.infra.cli import UserFacingError
+    from genrec.infra.postgres import PostgresUnavailable
     from genrec.infra.settings import get_settings
     from genrec.ingest.bench import run_bench
 
-    run_bench(get_settings(), n_events=args.events, json_path=args.json)
+    stores = tuple(s.strip() for s in args.stores.split(",") if s.strip())
+    try:
+        run_bench(get_settings(), n_events=args.events, json_path=args.json, stores=stores)
+    except (ValueError, PostgresUnavailable) as exc:
+        raise UserFacingError(str(exc)) from exc
     return 0

@@ -20,7 +20,7 @@ from sqlalchemy import select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import IngestSettings, Settings
-from genrec.ingest.bench import synthetic_events
+from genrec.ingest.bench import run_bench, synthetic_events
 from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_events
 from genrec.schemas.events import DeadLetter
@@ -283,3 +283,18 @@ def test_two_processes_share_partitions_and_store_each_event_once(
     assert all(count > 0 for count in stored) and sum(stored) == 12_000
     assert "partitions revoked" in logs[0].read_text()
     assert_exactly(database_url, 12_000)
+
+
+def test_bench_ingest_times_every_store_on_the_same_topic(
+    kafka_settings, postgres_server, tmp_path, capsys
+):
+    if postgres_server is None:
+        pytest.skip("GENREC_TEST_SKIP_POSTGRES=1")
+    settings = make_settings(kafka_settings, f"sqlite:///{tmp_path / 'unused.db'}", tmp_path)
+    result = run_bench(settings, n_events=20_000, stores=("sqlite", "postgres"))
+    assert result["sqlite_stored"] == result["postgres_stored"] == 20_000
+    assert result["ingest_postgres_events_per_s"] > 0
+    assert result["ingest_to_bare_ratio"] == result["ingest_sqlite_to_bare_ratio"] > 0
+    assert "ingest (postgres" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="stores must be"):
+        run_bench(settings, n_events=10, stores=("mysql",))
