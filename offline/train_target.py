@@ -4,7 +4,9 @@ Each epoch cuts every user's training sequence (``Split.train``) into windows
 of up to ``H + 1`` items at a random offset, so every item is a target once per
 epoch and sees up to ``H`` items of context. One causal pass over a window
 trains all its items at once; the loss is cross-entropy over the tokens of the
-level being predicted (the decoder never picks a token of another level).
+level being predicted (the decoder never picks a token of another level). A
+preset's ``reverse_windows`` share of the windows is fed back to front
+(``reverse_some``); prompts at inference are always in time order.
 Every ``eval_every`` epochs the model decodes the validation cases
 (``Split.valid``) and training stops when validation HR@10 has not improved
 ``patience`` times; the best weights are kept.
@@ -67,6 +69,20 @@ def epoch_windows(
             list(items[a:b]) for a, b in zip(cuts, [*cuts[1:], len(items)], strict=False) if b > a
         )
     return windows
+
+
+def reverse_some(
+    windows: list[list[str]], share: float, rng: np.random.Generator
+) -> list[list[str]]:
+    """About ``share`` of the windows back to front; the rest as they are.
+
+    Augmentation: the model also learns which items come *before* an item, the
+    backward pairs item-CF counts too. Much of the order is noise anyway: ML-100K
+    users rate batches of films within the same second, in file order.
+    """
+    if share <= 0:
+        return windows
+    return [window[::-1] if rng.random() < share else window for window in windows]
 
 
 def collate(
@@ -225,7 +241,9 @@ def train_target(
     stale = 0
     bar = tqdm(total=total_steps, desc=f"target {preset.name}", disable=not progress)
     for epoch in range(1, preset.epochs + 1):
-        windows = epoch_windows(sequences, history_items, rng)
+        windows = reverse_some(
+            epoch_windows(sequences, history_items, rng), preset.reverse_windows, rng
+        )
         batches = [
             [windows[i] for i in chunk]
             for chunk in np.array_split(rng.permutation(len(windows)),

@@ -14,6 +14,7 @@ from genrec.offline.splits import leave_one_out
 from genrec.offline.train_target import (
     LevelLoss,
     collate,
+    reverse_some,
     train_target,
     training_sequences,
 )
@@ -74,3 +75,31 @@ def test_final_fit_trains_without_validation_and_keeps_last_weights():
     assert result.metrics["epochs_run"] == 2 and result.curves["valid_hr@10"] == []
     assert len(result.curves["train_loss"]) == 2
     assert not result.model.training
+
+
+def test_reverse_some_flips_about_its_share_and_keeps_every_item():
+    windows = [[f"i{k}", f"i{k + 1}", f"i{k + 2}"] for k in range(400)]
+    rng = np.random.default_rng(0)
+    assert reverse_some(windows, 0.0, rng) == windows
+    assert reverse_some(windows, 1.0, rng) == [w[::-1] for w in windows]
+    half = reverse_some(windows, 0.5, rng)
+    flipped = sum(h == w[::-1] for h, w in zip(half, windows, strict=True))
+    assert 150 < flipped < 250
+    assert all(sorted(h) == sorted(w) for h, w in zip(half, windows, strict=True))
+
+
+def test_the_sft_draft_trains_in_time_order(monkeypatch):
+    from genrec.offline import train_draft
+
+    seen = {}
+    real = train_draft.train_target
+
+    def spy(item_tokens, split, schedule, *args, **kwargs):
+        seen["reverse_windows"] = schedule.reverse_windows
+        return real(item_tokens, split, schedule, *args, **kwargs)
+
+    monkeypatch.setattr(train_draft, "train_target", spy)
+    items, split = toy_items(), toy_split()
+    preset = dataclasses.replace(PRESETS["tiny"], reverse_windows=0.5, draft_epochs=1)
+    train_draft.train_sft_draft(items, split, preset, history_items=5, progress=False)
+    assert seen["reverse_windows"] == 0.0
