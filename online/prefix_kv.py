@@ -52,8 +52,9 @@ def cache_argument(model_class: type) -> str:
 
 def output_cache(output: Any):
     """The KV cache a forward returned, under either name (see ``cache_argument``)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
+    if hasattr(output, "cache"):  # newer outputs: reading ``past_key_values`` there warns
+        return output.cache
+    return getattr(output, "past_key_values", None)
 
 
 @dataclass

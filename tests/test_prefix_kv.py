@@ -133,4 +133,10 @@ def test_the_cache_keyword_follows_the_installed_transformers():
     class NewOutput:
         cache = marker
 
+        @property
+        def past_key_values(self):  # deprecated alias in newer transformers: never read
+            raise AssertionError("read the deprecated name")
+
     assert output_cache(OldOutput()) is marker and output_cache(NewOutput()) is marker
+    NewOutput.cache = None  # a forward without a cache
+    assert output_cache(NewOutput()) is None
