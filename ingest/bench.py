@@ -148,7 +148,7 @@ def run_bench(
         result[f"{store}_stored"] = stored
         result["writer"] = writer
         lines.append(
-            f"  ingest ({store:8s})  {result[f'ingest_{store}_events_per_s']:>12,.0f} events/s, "
+            f"{f'  ingest ({store})':22s}{result[f'ingest_{store}_events_per_s']:>12,.0f} events/s, "
             f"ratio to bare {bare_s / ingest_s:.2f} (stored {stored:,}, writer {writer})"
         )
     if "sqlite" in timed:  # the names of the single-store report, kept for its readers
