@@ -301,7 +301,7 @@ def run_decode_bench(
 
 
 def resolve_clock(clock: str, device: torch.device) -> str:
-    """"auto" -> "wall" on a GPU (kernels run asynchronously, off the process's CPU time)."""
+    """``auto`` means ``wall`` on a GPU (its kernels run off the process's CPU time), else ``cpu``."""
     if clock != "auto":
         return clock
     return "wall" if device.type == "cuda" else "cpu"
