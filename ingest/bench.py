@@ -130,12 +130,26 @@ def run_bench(
                 timed[store] = ingest_consume(settings, kafka.topic_events, n_events, url)
     finally:
         _delete_topics(kafka)
+    result, lines = _summary(
+        n_events, kafka, settings.ingest.batch_size, produced.seconds, bare_s, timed
+    )
+    print("\n".join(lines))
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _summary(
+    n_events: int, kafka, batch_size: int, produce_s: float, bare_s: float, timed: dict
+) -> tuple[dict[str, Any], list[str]]:
+    """The report (rates, each store's ratio to the bare consumer) and its printed lines."""
     result: dict[str, Any] = {
         "events": n_events,
         "partitions": kafka.events_partitions,
-        "produce_events_per_s": round(n_events / produced.seconds, 1),
+        "produce_events_per_s": round(n_events / produce_s, 1),
         "bare_consumer_events_per_s": round(n_events / bare_s, 1),
-        "batch_size": settings.ingest.batch_size,
+        "batch_size": batch_size,
     }
     lines = [
         f"bench ingest: {n_events:,} events, {kafka.events_partitions} partitions",
@@ -154,11 +168,7 @@ def run_bench(
     if "sqlite" in timed:  # the names of the single-store report, kept for its readers
         result["ingest_to_bare_ratio"] = result["ingest_sqlite_to_bare_ratio"]
         result["stored"] = result["sqlite_stored"]
-    print("\n".join(lines))
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    return result, lines
 
 
 @contextlib.contextmanager
