@@ -58,6 +58,7 @@ class KafkaSettings(BaseModel):
     events_partitions: int = 6
     recommendations_partitions: int = 6
     replication_factor: int = 1
+    topic_wait_s: float = 60.0  # how long a consumer waits at start for its topic to exist
 
     def client_config(self) -> dict[str, Any]:
         """Keyword arguments common to every kafka-python client (producer, consumer, admin)."""

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kafka import KafkaAdminClient
@@ -28,6 +29,9 @@ from genrec.infra.cli import UserFacingError
 from genrec.infra.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
+
+TOPIC_WAIT_POLL_S = 1.0  # between metadata checks while a consumer waits for its topic
+TOPIC_WAIT_LOG_S = 5.0  # between "waiting for topic" lines
 
 
 class KafkaTopicsError(UserFacingError):
@@ -105,6 +109,43 @@ def _warn_on_fewer_partitions(
                 len(topic["partitions"]),
                 wanted,
             )
+
+
+def subscribe_when_ready(
+    consumer: Any,
+    topic: str,
+    *,
+    timeout_s: float,
+    listener: Any = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> set[int]:
+    """Subscribe ``consumer`` to ``topic`` once it sees the topic's partitions.
+
+    A group member that joins before the topic's metadata has reached it is
+    assigned no partitions, and kafka-python must notice the metadata change and
+    rebalance again; we have seen that second join hang, leaving a worker started
+    right after ``genrec topics create`` idle for minutes. Waiting first makes the
+    first assignment the real one. Returns the partition ids; raises
+    ``KafkaTopicsError`` if the topic has none after ``timeout_s`` (and returns an
+    empty set, unsubscribed, if ``should_stop`` turns true meanwhile).
+    """
+    started = time.monotonic()
+    next_warning = started + TOPIC_WAIT_LOG_S
+    while not (partitions := consumer.partitions_for_topic(topic)):
+        now = time.monotonic()
+        if should_stop():
+            return set()
+        if now - started > timeout_s:
+            raise KafkaTopicsError(
+                f"topic {topic} has no partitions after {timeout_s:.0f}s: create it with "
+                "`genrec topics create`, or check kafka.bootstrap and the client's ACLs"
+            )
+        if now >= next_warning:
+            log.warning("waiting for topic %s to exist (%.0fs so far)", topic, now - started)
+            next_warning = now + TOPIC_WAIT_LOG_S
+        time.sleep(TOPIC_WAIT_POLL_S)
+    consumer.subscribe([topic], listener=listener)
+    return set(partitions)
 
 
 def wait_for_kafka(kafka: KafkaSettings, timeout: float) -> None:

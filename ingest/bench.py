@@ -58,10 +58,12 @@ def bare_consume(settings: Settings, topic: str, expected: int) -> float:
     """
     from kafka import KafkaConsumer
 
+    from genrec.infra.topics import subscribe_when_ready
     from genrec.ingest.consumer import consumer_config
 
     config = consumer_config(settings, group_id=f"genrec-bench-bare-{uuid.uuid4().hex[:8]}")
-    consumer = KafkaConsumer(topic, **config)
+    consumer = KafkaConsumer(**config)
+    subscribe_when_ready(consumer, topic, timeout_s=settings.kafka.topic_wait_s)
     seen, began = 0, None
     try:
         while seen < expected:

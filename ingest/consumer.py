@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError
 
 from genrec.infra import metrics
 from genrec.infra.settings import Settings
+from genrec.infra.topics import subscribe_when_ready
 from genrec.ingest.dlq import DeadLetterPublisher
 from genrec.ingest.store import write_event_rows
 from genrec.ingest.writer import WriterProcess
@@ -140,7 +141,10 @@ class Ingestor:
         from kafka import KafkaConsumer
 
         consumer = KafkaConsumer(**consumer_config(self.settings, group_id=group_id))
-        consumer.subscribe([self.settings.kafka.topic_events], listener=_RebalanceLog(self))
+        kafka = self.settings.kafka
+        subscribe_when_ready(
+            consumer, kafka.topic_events, listener=_RebalanceLog(self), timeout_s=kafka.topic_wait_s
+        )
         return consumer
 
     def stop(self) -> None:

@@ -38,6 +38,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from genrec.infra import metrics
 from genrec.infra.settings import Settings
+from genrec.infra.topics import subscribe_when_ready
 from genrec.online.recommender import Recommender, Request
 from genrec.online.serving_version import ServingVersions
 from genrec.schemas.events import UserEvent, validate_event
@@ -329,7 +330,10 @@ class OnlineWorker:
             heartbeat_interval_ms=max(100, self.online.session_timeout_ms // 3),
             max_poll_interval_ms=self.online.max_poll_interval_ms,
         )
-        consumer.subscribe([self.settings.kafka.topic_events], listener=listener)
+        subscribe_when_ready(
+            consumer, self.settings.kafka.topic_events, listener=listener,
+            timeout_s=self.settings.kafka.topic_wait_s, should_stop=self._stop.is_set,
+        )  # fmt: skip
         return consumer
 
     def _kafka_producer(self) -> Any:

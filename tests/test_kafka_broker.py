@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,13 @@ from genrec.infra.kafka_broker import (
     server_properties,
 )
 from genrec.infra.settings import KafkaSettings, Settings
-from genrec.infra.topics import create_topics, topic_specs, wait_for_kafka
+from genrec.infra.topics import (
+    KafkaTopicsError,
+    create_topics,
+    subscribe_when_ready,
+    topic_specs,
+    wait_for_kafka,
+)
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -163,6 +172,49 @@ def test_topics_create_twice(kafka_settings: KafkaSettings) -> None:
     for name, spec in topic_specs(kafka_settings).items():
         assert topics[name] == spec["num_partitions"]
     assert topics[kafka_settings.topic_events] == 6
+
+
+@pytest.mark.integration
+def test_a_group_consumer_started_before_its_topic_gets_every_partition(
+    kafka_broker: KafkaBroker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker started before `genrec topics create` waits, then joins with a real assignment."""
+    suffix = uuid.uuid4().hex[:10]
+    kafka = KafkaSettings(
+        bootstrap=kafka_broker.bootstrap,
+        topic_events=f"late.events.{suffix}",
+        topic_recommendations=f"late.recommendations.{suffix}",
+        topic_dlq=f"late.events.{suffix}.dlq",
+    )
+    consumer = KafkaConsumer(**kafka.client_config(), group_id=f"late-{suffix}")
+    creator = threading.Timer(2.0, create_topics, args=(kafka,))
+    creator.start()
+    try:
+        with caplog.at_level(logging.WARNING):
+            partitions = subscribe_when_ready(consumer, kafka.topic_events, timeout_s=60)
+            assert partitions == set(range(kafka.events_partitions))
+            deadline = time.monotonic() + 30
+            while not consumer.assignment() and time.monotonic() < deadline:
+                consumer.poll(timeout_ms=200)
+        assert {tp.partition for tp in consumer.assignment()} == partitions
+        # The first assignment was the real one: no empty join, no second rebalance.
+        assert "No partition metadata" not in caplog.text
+    finally:
+        creator.join()
+        consumer.close()
+
+
+@pytest.mark.integration
+def test_a_missing_topic_is_a_clear_error(kafka_broker: KafkaBroker) -> None:
+    kafka = KafkaSettings(bootstrap=kafka_broker.bootstrap)
+    consumer = KafkaConsumer(**kafka.client_config(), group_id="never-joins")
+    topic = f"no.such.topic.{uuid.uuid4().hex[:8]}"
+    try:
+        with pytest.raises(KafkaTopicsError, match=f"{topic} has no partitions after 2s"):
+            subscribe_when_ready(consumer, topic, timeout_s=2)
+        assert not consumer.subscription()
+    finally:
+        consumer.close()
 
 
 @pytest.mark.integration
