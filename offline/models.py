@@ -6,8 +6,9 @@ tokenizer, far fewer layers) and their training schedules:
 - ``tiny``: a few thousand parameters, for tests (seconds).
 - ``small``: a Llama-style model trained from scratch on semantic-ID tokens;
   sized for ML-100K on a 2-core CPU. Its schedule (14 epochs, cosine) was chosen
-  on validation, and the share of windows trained back to front
-  (``reverse_windows`` 0.5) over three seeds of a train-only fit (see
+  on validation; the share of windows trained back to front
+  (``reverse_windows`` 0.5) and the moving average of its weights
+  (``ema_decay`` 0.995) over three seeds of a train-only fit each (see
   docs/evaluation.md); the shipped model is then fitted on train + validation items
   (``fit_on_valid``: the test items are never seen) with the same schedule.
 - ``smollm2-135m``: the pretrained SmolLM2-135M-Instruct (see
@@ -72,6 +73,7 @@ class ModelPreset:
     fit_on_valid: bool = False
     label_smoothing: float = 0.0  # within each level's codes
     reverse_windows: float = 0.0  # share of each epoch's windows trained back to front
+    ema_decay: float = 0.0  # > 0: validate and keep a moving average of the target's weights
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,7 +97,7 @@ PRESETS: dict[str, ModelPreset] = {
         draft_intermediate=192, epochs=14, batch_size=32, lr=4e-3, weight_decay=0.1,
         eval_every=14, patience=1, draft_epochs=4, draft_lr=2e-3, teacher_prompts=3000,
         teacher_beams=10, time_budget_s=600.0, draft_time_budget_s=120.0, fit_on_valid=True,
-        label_smoothing=0.1, reverse_windows=0.5,
+        label_smoothing=0.1, reverse_windows=0.5, ema_decay=0.995,
     ),
     "smollm2-135m": ModelPreset(
         name="smollm2-135m", pretrained="smollm2-135m", hidden=576, layers=30, heads=9,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -13,6 +14,7 @@ from genrec.offline.prompts import ItemTokens, training_example
 from genrec.offline.splits import leave_one_out
 from genrec.offline.train_target import (
     LevelLoss,
+    WeightAverage,
     collate,
     reverse_some,
     train_target,
@@ -96,10 +98,60 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
 
     def spy(item_tokens, split, schedule, *args, **kwargs):
         seen["reverse_windows"] = schedule.reverse_windows
+        seen["ema_decay"] = schedule.ema_decay
         return real(item_tokens, split, schedule, *args, **kwargs)
 
     monkeypatch.setattr(train_draft, "train_target", spy)
     items, split = toy_items(), toy_split()
-    preset = dataclasses.replace(PRESETS["tiny"], reverse_windows=0.5, draft_epochs=1)
+    preset = dataclasses.replace(
+        PRESETS["tiny"], reverse_windows=0.5, draft_epochs=1, ema_decay=0.9
+    )
     train_draft.train_sft_draft(items, split, preset, history_items=5, progress=False)
-    assert seen["reverse_windows"] == 0.0
+    assert seen == {"reverse_windows": 0.0, "ema_decay": 0.0}  # the draft's own recipe
+
+
+def test_weight_average_follows_the_steps_and_swaps_back():
+    layer = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    average = WeightAverage(layer, decay=0.5)
+    for value in (3.0, 5.0):
+        with torch.no_grad():
+            layer.weight.fill_(value)
+        average.update()
+    # 1 -> 0.5 * 1 + 0.5 * 3 = 2 -> 0.5 * 2 + 0.5 * 5 = 3.5
+    with average.applied():
+        assert torch.allclose(layer.weight, torch.full((1, 2), 3.5))
+    assert torch.allclose(layer.weight, torch.full((1, 2), 5.0))  # training weights back
+    average.copy_to_model()
+    assert torch.allclose(layer.weight, torch.full((1, 2), 3.5))
+
+
+def test_the_averaged_weights_are_validated_and_kept(monkeypatch):
+    import genrec.offline.train_target as train_module
+
+    items, split = toy_items(), toy_split()
+    seen = {}
+
+    class Spy(WeightAverage):
+        @contextlib.contextmanager
+        def applied(self):
+            with super().applied():
+                seen["validated"] = [p.detach().clone() for p in self.params]
+                yield
+
+        def copy_to_model(self):
+            super().copy_to_model()
+            seen["copied"] = [p.detach().clone() for p in self.params]
+
+    monkeypatch.setattr(train_module, "WeightAverage", Spy)
+    preset = dataclasses.replace(PRESETS["tiny"], epochs=2, eval_every=2, ema_decay=0.9)
+    result = train_target(items, split, preset, history_items=5, progress=False)
+    # Early stopping: the state kept is the averaged one that was validated.
+    for param, validated in zip(result.model.parameters(), seen["validated"], strict=True):
+        assert torch.equal(param.detach(), validated)
+    final = train_target(items, split, dataclasses.replace(preset, fit_on_valid=True),
+                         history_items=5, progress=False)  # fmt: skip
+    # Final fit: the last average is the model returned.
+    for param, copied in zip(final.model.parameters(), seen["copied"], strict=True):
+        assert torch.equal(param.detach(), copied)
