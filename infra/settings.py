@@ -117,8 +117,15 @@ class OnlineSettings(BaseModel):
     prefix_kv_lru_mb: float = Field(default=2048.0, gt=0)  # ... and at most this much of them
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     k: int = Field(default=10, ge=1)  # items per list (merged and per branch)
-    # Beams of the generative search: K plus room for items the user has already seen.
-    beam_width: int | None = None  # default: k (seen items are excluded inside the search)
+    # Beams of the generative search; its best k items are served. Default 2k: a search
+    # only k wide prunes too early (top-10 HR@10 on ML-100K 0.186 with 10 beams, 0.207
+    # with 20, 0.206 with 50) and 20 beams cost ~10% more time than 10 on the CPU.
+    beam_width: int | None = Field(default=None, ge=1)
+
+    def generative_beams(self) -> int:
+        """``beam_width``, or twice ``k`` when unset."""
+        return self.beam_width or 2 * self.k
+
     mode: Literal["strict", "relaxed", "target"] = "strict"
     draft_beams: int = Field(default=40, ge=1)
     gamma: int = Field(default=3, ge=1)

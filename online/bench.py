@@ -72,7 +72,7 @@ def run_serve_bench(
     models = loaded.models
     decoder = ModelDecoder(models, settings.online.model_copy(update={"mode": mode}))
     full, cached, cache_files = _requests(models, histories, suffix_events)
-    beam_width = beam_width or settings.online.beam_width or settings.online.k  # the worker's
+    beam_width = beam_width or settings.online.generative_beams()  # the worker's
     figures: dict[str, Any] = {
         "models": loaded.source, "mode": mode, "beam_width": beam_width, "users": len(full),
         "torch_threads": torch.get_num_threads(), "device": str(decoder.device),

@@ -62,7 +62,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     )
     bench_serve.add_argument(
         "--beam-width", type=int, default=None,
-        help="generative beams (default: the worker's, online.beam_width or online.k)",
+        help="generative beams (default: the worker's, online.beam_width or 2 x online.k)",
     )  # fmt: skip
     bench_serve.add_argument("--json", type=Path, default=None, help="also write the figures here")
     bench_serve.set_defaults(handler=_bench)

@@ -259,8 +259,8 @@ class Recommender:
         ]
         metrics.STAGE_LATENCY.labels(stage="prefix_kv").observe(time.perf_counter() - started)
         started = time.perf_counter()
-        # seen items are excluded inside the beam search, so K beams give K unseen items
-        beam_width = self.settings.beam_width or self.settings.k
+        # seen items are excluded inside the beam search: every beam is an unseen item
+        beam_width = self.settings.generative_beams()
         try:
             batch = decoder.decode(gen_requests, beam_width)
         except Exception:

@@ -23,7 +23,7 @@ def test_bench_serve_reports_both_sides_and_agreement(tmp_path, monkeypatch, mod
         )  # fmt: skip
     finally:
         get_settings.cache_clear()
-    assert figures["beam_width"] == 10  # the worker's: online.k
+    assert figures["beam_width"] == 20  # the worker's: 2 x online.k
     for row in figures["batches"].values():
         assert row["full_prompt_ms"] > 0 and row["prefix_kv_ms"] > 0
         assert row["same_items_users"] == row["same_scores_users"] == 3

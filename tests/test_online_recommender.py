@@ -41,9 +41,11 @@ class FakeDecoder:
         self.item_tokens = item_tokens()
         self.history_items = 50
         self.calls: list = []
+        self.beam_widths: list[int] = []
 
     def decode(self, requests, beam_width):
         self.calls.append(list(requests))
+        self.beam_widths.append(beam_width)
         items = []
         for request in requests:
             rows = [r for r in range(len(ITEMS)) if r not in set(request.exclude)]
@@ -128,6 +130,16 @@ def test_cached_user_gets_suffix_after_cutoff_plus_events_in_hand(store) -> None
     assert not seen & {i.item_id for i in message.items}
     assert len(message.items) == 3 and all(i.branch for i in message.items)
     assert message.model_version == "m1" and message.semantic_id_version == "s1"
+
+
+def test_the_search_is_twice_k_wide_unless_set_and_k_items_are_served(store) -> None:
+    request = Request.of([event("w1", "7", "4", 4000)])
+    for online, beams in (({"k": 3}, 6), ({"k": 3, "beam_width": 4}, 4)):
+        decoder = FakeDecoder()
+        recommender = Recommender(Settings(online=online), store)
+        [message] = recommender.recommend([request], bundle(decoder, FakeKVStore({})))
+        assert decoder.beam_widths == [beams]
+        assert len(message.branches["generative"]) == 3
 
 
 def test_new_user_is_served_from_the_suffix_alone(store) -> None:
