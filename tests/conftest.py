@@ -79,20 +79,26 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
     broker.down()
 
 
-def fresh_kafka(kafka_broker):
-    """KafkaSettings for the test broker with their own topics, already created."""
+def unique_kafka(kafka_broker):
+    """KafkaSettings for the test broker with topic names of their own, not yet created."""
     from genrec.infra.settings import KafkaSettings
-    from genrec.infra.topics import create_topics
 
     kafka_broker.up(timeout=180.0)  # no-op unless an earlier test left it stopped
     suffix = uuid.uuid4().hex[:10]
-    kafka = KafkaSettings(
+    return KafkaSettings(
         bootstrap=kafka_broker.bootstrap,
         client_id=f"genrec-test-{suffix}",
         topic_events=f"genrec.user-events.{suffix}",
         topic_recommendations=f"genrec.recommendations.{suffix}",
         topic_dlq=f"genrec.user-events.{suffix}.dlq",
     )
+
+
+def fresh_kafka(kafka_broker):
+    """KafkaSettings for the test broker with their own topics, already created."""
+    from genrec.infra.topics import create_topics
+
+    kafka = unique_kafka(kafka_broker)
     create_topics(kafka)
     return kafka
 

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from conftest import unique_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
 from genrec.infra.kafka_broker import (
@@ -179,14 +180,8 @@ def test_a_group_consumer_started_before_its_topic_gets_every_partition(
     kafka_broker: KafkaBroker, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A worker started before `genrec topics create` waits, then joins with a real assignment."""
-    suffix = uuid.uuid4().hex[:10]
-    kafka = KafkaSettings(
-        bootstrap=kafka_broker.bootstrap,
-        topic_events=f"late.events.{suffix}",
-        topic_recommendations=f"late.recommendations.{suffix}",
-        topic_dlq=f"late.events.{suffix}.dlq",
-    )
-    consumer = KafkaConsumer(**kafka.client_config(), group_id=f"late-{suffix}")
+    kafka = unique_kafka(kafka_broker)
+    consumer = KafkaConsumer(**kafka.client_config(), group_id=f"late-{uuid.uuid4().hex[:8]}")
     creator = threading.Timer(2.0, create_topics, args=(kafka,))
     creator.start()
     try:
