@@ -126,8 +126,9 @@ def subscribe_when_ready(
     rebalance again; we have seen that second join hang, leaving a worker started
     right after ``genrec topics create`` idle for minutes. Waiting first makes the
     first assignment the real one. Returns the partition ids; raises
-    ``KafkaTopicsError`` if the topic has none after ``timeout_s`` (and returns an
-    empty set, unsubscribed, if ``should_stop`` turns true meanwhile).
+    ``KafkaTopicsError`` if the topic has none after ``timeout_s``, closing the
+    consumer (made for this subscription, it holds sockets); returns an empty set,
+    unsubscribed, if ``should_stop`` turns true meanwhile.
     """
     started = time.monotonic()
     next_warning = started + TOPIC_WAIT_LOG_S
@@ -136,6 +137,7 @@ def subscribe_when_ready(
         if should_stop():
             return set()
         if now - started > timeout_s:
+            consumer.close()
             raise KafkaTopicsError(
                 f"topic {topic} has no partitions after {timeout_s:.0f}s: create it with "
                 "`genrec topics create`, or check kafka.bootstrap and the client's ACLs"

@@ -127,7 +127,12 @@ class Ingestor:
         self.writer_process: WriterProcess | None = None
         if engine is None and uses_writer_process(settings):
             self.writer_process = WriterProcess(str(settings.database_url))
-        self.consumer = consumer or self._make_consumer(group_id)
+        try:
+            self.consumer = consumer or self._make_consumer(group_id)
+        except BaseException:  # e.g. no such topic: the writer child must not outlive us
+            if self.writer_process is not None:
+                self.writer_process.close()
+            raise
         self.dead_letters = dead_letters or DeadLetterPublisher(settings)
         self.stats = IngestStats()
         self._stop = threading.Event()

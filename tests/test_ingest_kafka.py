@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -14,12 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import count_rows, wait_for
+from conftest import count_rows, unique_kafka, wait_for
 from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import IngestSettings, Settings
+from genrec.infra.topics import KafkaTopicsError
 from genrec.ingest.bench import run_bench, synthetic_events
 from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_events
@@ -103,6 +105,15 @@ BAD = {
     ).encode(),
     "bad_timestamp": b'{"event_id": "x4", "user_id": "u", "item_id": "i", "event_type": "view", "ts": "soon"}',
 }
+
+
+def test_ingest_without_its_topic_stops_with_a_clear_error(kafka_broker, tmp_path):
+    kafka = unique_kafka(kafka_broker).model_copy(update={"topic_wait_s": 2.0})
+    settings = make_settings(kafka, f"sqlite:///{tmp_path / 'store.db'}", tmp_path)
+    before = set(multiprocessing.active_children())
+    with pytest.raises(KafkaTopicsError, match=f"{kafka.topic_events} has no partitions"):
+        Ingestor(settings)
+    assert set(multiprocessing.active_children()) == before  # the writer child is gone
 
 
 def test_bad_input_goes_to_the_dead_letter_topic(kafka_settings, database_url, tmp_path):

@@ -204,12 +204,10 @@ def test_a_missing_topic_is_a_clear_error(kafka_broker: KafkaBroker) -> None:
     kafka = KafkaSettings(bootstrap=kafka_broker.bootstrap)
     consumer = KafkaConsumer(**kafka.client_config(), group_id="never-joins")
     topic = f"no.such.topic.{uuid.uuid4().hex[:8]}"
-    try:
-        with pytest.raises(KafkaTopicsError, match=f"{topic} has no partitions after 2s"):
-            subscribe_when_ready(consumer, topic, timeout_s=2)
-        assert not consumer.subscription()
-    finally:
-        consumer.close()
+    with pytest.raises(KafkaTopicsError, match=f"{topic} has no partitions after 2s"):
+        subscribe_when_ready(consumer, topic, timeout_s=2)
+    assert not consumer.subscription()
+    assert consumer._closed  # closed by the failed subscription
 
 
 @pytest.mark.integration
