@@ -123,10 +123,6 @@ class OnlineSettings(BaseModel):
     # more time than 10 on the CPU.
     beam_width: int | None = Field(default=None, ge=1)
 
-    def generative_beams(self) -> int:
-        """``beam_width``, or twice ``k`` when unset."""
-        return self.beam_width or 2 * self.k
-
     mode: Literal["strict", "relaxed", "target"] = "strict"
     draft_beams: int = Field(default=40, ge=1)
     gamma: int = Field(default=3, ge=1)
@@ -145,6 +141,10 @@ class OnlineSettings(BaseModel):
     # Scale out with one worker per core: decoding is many small ops, and on a busy host a
     # second intra-op thread made a tiny model's requests 30-100x slower (measured).
     torch_threads: int = 1
+
+    def generative_beams(self) -> int:
+        """``beam_width``, or twice ``k`` when unset."""
+        return self.beam_width or 2 * self.k
 
 
 class DecodeSettings(BaseModel):

@@ -10,8 +10,9 @@ tokenizer, far fewer layers) and their training schedules:
   weights (``ema_decay`` 0.995) and the epochs (24: more kept paying, the
   15-minute budget for target and drafts stops there; ``time_budget_s`` caps a
   slower machine) were each chosen on validation over three seeds of a
-  train-only fit (see docs/evaluation.md); the shipped model is then fitted on train + validation items
-  (``fit_on_valid``: the test items are never seen) with the same schedule.
+  train-only fit (see docs/evaluation.md); the shipped model is then fitted on
+  train + validation items (``fit_on_valid``: the test items are never seen) with
+  the same schedule.
 - ``smollm2-135m``: the pretrained SmolLM2-135M-Instruct (see
   ``genrec.offline.smollm2``) with the item tokens added to its tokenizer.
 
