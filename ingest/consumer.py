@@ -35,6 +35,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from genrec.infra import metrics
+from genrec.infra.broker_outage import OutagePoll
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.ingest.dlq import DeadLetterPublisher
@@ -136,6 +137,7 @@ class Ingestor:
         self.dead_letters = dead_letters or DeadLetterPublisher(settings)
         self.stats = IngestStats()
         self._stop = threading.Event()
+        self._poll = OutagePoll("ingest", stop=self._stop)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
         self._in_flight: Callable[[], dict[Any, int]] | None = None
         self._uncommitted: dict[Any, int] = {}
@@ -173,7 +175,7 @@ class Ingestor:
         self.last_activity = last_progress = started = time.monotonic()
         try:
             while not self._stop.is_set() and not (until and until(self.stats)):
-                batch = self.consumer.poll(timeout_ms=ingest.poll_timeout_ms)
+                batch = self._poll.poll(self.consumer, timeout_ms=ingest.poll_timeout_ms)
                 now = self._last_loop = time.monotonic()
                 if batch:
                     prepared = self.prepare(batch)
@@ -191,7 +193,8 @@ class Ingestor:
                     log.info("%s", self.stats.progress_line())
                     last_progress = now
                 idle = not batch and exit_when_idle_s is not None
-                if idle and self._joining(started, now):
+                # A broker outage is not idleness: events may be waiting behind it.
+                if idle and (self._poll.outage_s() > 0 or self._joining(started, now)):
                     idle = False
                 if idle and now - self.last_activity >= exit_when_idle_s:
                     log.info("no new events for %.0f s, exiting", exit_when_idle_s)
@@ -361,8 +364,10 @@ class Ingestor:
             "rejected": self.stats.events_rejected,
             "lag": self.stats.lag,
             "writer": "process" if self.writer_process is not None else "thread",
+            "kafka_unreachable_s": round(self._poll.outage_s(), 1),
         }
-        return not self._stop.is_set() and stalled_s < HEALTHY_LOOP_S, details
+        stuck_s = max(stalled_s, self._poll.outage_s())
+        return not self._stop.is_set() and stuck_s < HEALTHY_LOOP_S, details
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

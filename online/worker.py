@@ -37,6 +37,7 @@ from kafka import ConsumerRebalanceListener
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from genrec.infra import metrics
+from genrec.infra.broker_outage import OutagePoll
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.online.recommender import Recommender, Request
@@ -88,6 +89,7 @@ class OnlineWorker:
         self._consumer_factory = consumer_factory or self._kafka_consumer
         self._producer_factory = producer_factory or self._kafka_producer
         self._stop = threading.Event()
+        self._poll = OutagePoll("online", stop=self._stop)
         self._pending: list[_Polled] = []
         self._dropped: dict[Any, int] = {}  # first unanswered offset of each revoked partition
         self._last_loop = time.monotonic()
@@ -113,9 +115,11 @@ class OnlineWorker:
             "loop_stalled_s": round(stalled_s, 1),
             "requests": self.report.requests,
             "failing_batches": self._failures,
+            "kafka_unreachable_s": round(self._poll.outage_s(), 1),
             "version": bundle.describe() if bundle else None,
         }
-        ok = not self._stop.is_set() and stalled_s < 120.0 and self._failures < FAILING_BATCHES
+        stuck_s = max(stalled_s, self._poll.outage_s())
+        ok = not self._stop.is_set() and stuck_s < 120.0 and self._failures < FAILING_BATCHES
         return ok, details
 
     def run(
@@ -135,6 +139,7 @@ class OnlineWorker:
                 elif (
                     exit_when_idle_s is not None
                     and time.monotonic() - last_event > exit_when_idle_s
+                    and self._poll.outage_s() == 0.0  # an outage is not idleness
                 ):
                     log.info("no events for %.1f s: exiting", exit_when_idle_s)
                     break
@@ -165,8 +170,8 @@ class OnlineWorker:
                 timeout_ms = POLL_IDLE_MS
             else:
                 timeout_ms = max(0, int((deadline - now) * 1000))
-            polled = self.consumer.poll(
-                timeout_ms=timeout_ms, max_records=self.online.max_poll_records
+            polled = self._poll.poll(
+                self.consumer, timeout_ms=timeout_ms, max_records=self.online.max_poll_records
             )
             received_at = time.monotonic()
             for records in polled.values():

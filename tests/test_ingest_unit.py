@@ -39,6 +39,8 @@ class FakeConsumer:
 
     def poll(self, timeout_ms=0):
         batch = self.batches.pop(0) if self.batches else {}
+        if isinstance(batch, Exception):
+            raise batch
         self.owned.update(batch)
         return batch
 
@@ -128,6 +130,31 @@ def test_stop_finishes_the_batch_in_hand(tmp_path):
     ingestor._write_with_retry = write_then_stop
     stats = ingestor.run()
     assert stats.batches == 1 and consumer.committed == {tp: 1} and journal[-1] == "close"
+
+
+def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
+    from kafka.errors import KafkaConnectionError, NodeNotReadyError
+
+    tp = TopicPartition("t", 0)
+    first, second = ({tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in (1, 2))
+    outage = [KafkaConnectionError("111 ECONNREFUSED"), NodeNotReadyError("metadata")]
+    ingestor, consumer, _, journal, engine = make_ingestor(tmp_path, [first, *outage, second])
+    ingestor._poll.first_backoff_s = ingestor._poll.max_backoff_s = 0.01
+    # exit_when_idle_s=0 ends the run at the first empty poll: the outage's must not count.
+    stats = ingestor.run(exit_when_idle_s=0.0)
+    assert stats.events_stored == 2 and consumer.committed == {tp: 3}
+    assert ingestor._poll.errors == 2 and ingestor.health()[1]["kafka_unreachable_s"] == 0
+    with engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(events)).scalar() == 2
+
+
+def test_a_non_retriable_poll_error_is_raised_and_the_consumer_closed(tmp_path):
+    from kafka.errors import KafkaConfigurationError
+
+    ingestor, _, _, journal, _ = make_ingestor(tmp_path, [KafkaConfigurationError("bad sasl")])
+    with pytest.raises(KafkaConfigurationError):
+        ingestor.run(exit_when_idle_s=0.0)
+    assert journal[-1] == "close"
 
 
 def rows(n: int, user: str = "u1", start: int = 0) -> list[dict]:

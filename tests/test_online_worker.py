@@ -26,7 +26,7 @@ class Record:
 
 
 class FakeConsumer:
-    """Hands out queued poll results; remembers commits and seeks."""
+    """Hands out queued poll results (raises a queued exception); remembers commits and seeks."""
 
     def __init__(self, batches: list[list[Record]]) -> None:
         self.batches = deque(batches)
@@ -39,6 +39,8 @@ class FakeConsumer:
         if not self.batches:
             return {}
         records = self.batches.popleft()
+        if isinstance(records, Exception):
+            raise records
         by_tp: dict = {}
         for record in records:
             by_tp.setdefault(TopicPartition(record.topic, record.partition), []).append(record)
@@ -293,3 +295,37 @@ def test_health_reports_the_serving_version() -> None:
     assert ok and details["version"]["key"] == "v1"
     worker.request_stop()
     assert not worker.health()[0]
+
+
+def test_a_broker_outage_in_poll_is_ridden_out_and_shows_in_health() -> None:
+    from kafka.errors import KafkaConnectionError
+
+    outage = KafkaConnectionError("111 ECONNREFUSED")
+    worker, consumer, producer, _ = make_worker(
+        [[record(0, 1, "a1", "alice")], outage, outage, [record(0, 2, "a2", "alice")]]
+    )
+    worker._stop.wait = lambda timeout=None: False  # no back-off in tests
+    seen_in_outage = []
+    real_collect = worker._collect
+
+    def collect():
+        seen_in_outage.append(worker._poll.outage_s())  # what health() reports, unrounded
+        return real_collect()
+
+    worker._collect = collect
+    # exit_when_idle_s=0 would end the run at the first empty poll: an outage must not.
+    report = worker.run(exit_when_idle_s=0)
+    assert [m.event_id for _, m in producer.sent] == ["a1", "a2"]
+    assert consumer.commits[-1] == {TopicPartition(TOPIC, 0): 3}
+    assert report.requests == 2 and worker._poll.errors == 2
+    assert any(s > 0 for s in seen_in_outage) and worker.health()[1]["kafka_unreachable_s"] == 0
+
+
+def test_a_non_retriable_poll_error_stops_the_worker_and_closes_the_clients() -> None:
+    import pytest
+    from kafka.errors import KafkaConfigurationError
+
+    worker, consumer, producer, _ = make_worker([KafkaConfigurationError("bad sasl settings")])
+    with pytest.raises(KafkaConfigurationError):
+        worker.run(exit_when_idle_s=0)
+    assert consumer.closed and producer.closed
