@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -243,10 +244,45 @@ def test_sigterm_drains_and_exits_zero_and_metrics_answer(kafka_settings, tmp_pa
     assert "(done)" in log_path.read_text()
 
 
-def test_broker_restart_mid_stream_loses_nothing(kafka_broker, kafka_settings, tmp_path):
+def committed_total(settings: Settings) -> int:
+    """Sum of the ingest group's committed offsets on the events topic (-1: not known yet)."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap)
+    try:
+        offsets = admin.list_group_offsets(settings.ingest.group_id)[settings.ingest.group_id]
+    except KafkaError:  # e.g. NotCoordinator while a restarted broker loads its groups
+        return -1
+    finally:
+        admin.close()
+    return sum(
+        meta.offset for tp, meta in offsets.items() if tp.topic == settings.kafka.topic_events
+    )
+
+
+def test_broker_restart_mid_stream_loses_nothing(
+    kafka_broker, kafka_settings, tmp_path, monkeypatch
+):
+    import genrec.ingest.consumer as consumer_module
+
     url = f"sqlite:///{tmp_path / 'outage.db'}"
     settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)
     produce_range(settings, 0, 5000)
+    # With (almost) no reconnect back-off every connection attempt in the outage is
+    # refused at once, which makes kafka-python 3.0 raise KafkaConnectionError from
+    # poll() every time (a coordinator lookup, then a metadata refresh, both refused),
+    # not only when the timing happens to line up as in the CI run that found it.
+    real_config = consumer_module.consumer_config
+    monkeypatch.setattr(
+        consumer_module,
+        "consumer_config",
+        lambda *a, **k: {
+            **real_config(*a, **k),
+            "reconnect_backoff_ms": 1,
+            "reconnect_backoff_max_ms": 1,
+        },  # fmt: skip
+    )
     ingestor = Ingestor(settings)
     died: list[BaseException] = []
 
@@ -256,26 +292,34 @@ def test_broker_restart_mid_stream_loses_nothing(kafka_broker, kafka_settings, t
         except BaseException as exc:  # reported by resumed() at once, not after its timeout
             died.append(exc)
 
-    def resumed() -> bool:
-        assert not died, f"the ingest loop died in the outage: {died[0]!r}"
-        return count_rows(url) == 8000
+    def stored(expected: int) -> Callable[[], bool]:
+        def check() -> bool:
+            assert not died, f"the ingest loop died in the outage: {died[0]!r}"
+            return count_rows(url) == expected
+
+        return check
+
+    def outage() -> None:
+        kafka_broker.down()
+        time.sleep(5)  # the consumer polls, commits and looks for its coordinator meanwhile
+        kafka_broker.up(timeout=180)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         wait_for(lambda: ingestor.stats.events_stored >= 500, 120, "ingest to start storing")
-        kafka_broker.down()
-        # The consumer now polls, commits and looks for its coordinator into a void:
-        # kafka-python 3.0 lets some of those connection errors out of poll().
-        time.sleep(5)
-        kafka_broker.up(timeout=180)
+        outage()  # mid-stream: a commit in flight, retried until the broker is back
+        wait_for(stored(5000), 180, "ingest to resume after the first outage")
+        wait_for(lambda: committed_total(settings) == 5000, 60, "the last commit")
+        outage()  # idle: the loop sits in poll(), which raises as described above
         produce_range(settings, 5000, 8000)
-        wait_for(resumed, 180, "ingest to resume after the outage")
+        wait_for(stored(8000), 180, "ingest to resume after the second outage")
     finally:
         ingestor.stop()
         thread.join(timeout=60)
     assert not thread.is_alive()
     assert_exactly(url, 8000)
+    assert ingestor._poll.errors > 0  # the outage did reach poll(), and was ridden out
 
 
 def test_two_processes_share_partitions_and_store_each_event_once(
