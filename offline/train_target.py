@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from genrec.offline.generative import PrefixTree, decode_batched
-from genrec.offline.models import ModelPreset, build_target, item_logits, level_masks, pick_device
+from genrec.offline.models import ModelPreset, build_target, level_masks, pick_device
 from genrec.offline.prompts import IGNORE_INDEX, ItemTokens, history_prompt, training_example
 from genrec.offline.splits import Case, Split
 
@@ -119,7 +119,13 @@ def collate(
 
 
 class LevelLoss:
-    """Cross-entropy of item tokens, each over its own level's tokens only."""
+    """Cross-entropy of item tokens, each over its own level's tokens only.
+
+    Each trained position's logits are computed for its level's codes alone (one
+    matmul per level), not for every item token and then masked: the loss is the
+    same, and the output layer and softmax cost 1/depth as much, which is most of a
+    small target's step.
+    """
 
     def __init__(
         self, item_tokens: ItemTokens, device: torch.device, label_smoothing: float = 0.0
@@ -127,28 +133,26 @@ class LevelLoss:
         layout = item_tokens.layout
         self.layout = layout
         self.label_smoothing = label_smoothing
-        masks = level_masks(layout, device)
-        self.level_bias = torch.zeros(masks.shape, device=device).masked_fill(~masks, float("-inf"))
-        self.level_of = masks.float().argmax(0)  # item-token index -> its level
-
-    def logits_and_targets(self, model, input_ids, labels, mask):
-        """Per trained position: level-masked item logits [N, V] and the target index [N]."""
-        logits, _ = item_logits(model, self.layout, input_ids, mask)
-        trained = labels != IGNORE_INDEX
-        targets = labels[trained] - self.layout.item_token_start
-        level_logits = logits[trained] + self.level_bias[self.level_of[targets]]
-        return level_logits, targets
+        self.level_of = level_masks(layout, device).float().argmax(0)  # item token -> level
+        self.level_tokens = [layout.level_range(level) for level in range(layout.depth)]
 
     def __call__(self, model, input_ids, labels, mask, smoothing: bool = True) -> torch.Tensor:
-        level_logits, targets = self.logits_and_targets(model, input_ids, labels, mask)
-        log_probs = level_logits.float().log_softmax(-1)
-        nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
-        if not smoothing or self.label_smoothing <= 0:
-            return nll.mean()
-        # Smoothing spreads mass over the target level's codes only (-inf elsewhere).
-        in_level = torch.isfinite(log_probs)
-        uniform = -log_probs.masked_fill(~in_level, 0.0).sum(-1) / in_level.sum(-1)
-        return ((1 - self.label_smoothing) * nll + self.label_smoothing * uniform).mean()
+        outputs = model.model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+        trained = labels != IGNORE_INDEX
+        hidden, tokens = outputs.last_hidden_state[trained], labels[trained]
+        level_of = self.level_of[tokens - self.layout.item_token_start]
+        share = self.label_smoothing if smoothing else 0.0
+        bias = getattr(model.lm_head, "bias", None)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for level, vocab in enumerate(self.level_tokens):
+            rows = level_of == level
+            weight = model.lm_head.weight[vocab.start : vocab.stop]
+            level_bias = None if bias is None else bias[vocab.start : vocab.stop]
+            log_probs = F.linear(hidden[rows], weight, level_bias).float().log_softmax(-1)
+            nll = -log_probs.gather(1, (tokens[rows] - vocab.start)[:, None]).squeeze(1)
+            # Smoothing spreads its mass uniformly over this level's codes.
+            total = total + ((1 - share) * nll - share * log_probs.mean(-1)).sum()
+        return total / max(len(tokens), 1)
 
 
 def add_embedding_dropout(model, p: float):

@@ -7,10 +7,9 @@ import dataclasses
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from genrec.offline.models import PRESETS, build_target
-from genrec.offline.prompts import ItemTokens, training_example
+from genrec.offline.models import PRESETS, build_target, item_logits, level_masks
+from genrec.offline.prompts import IGNORE_INDEX, ItemTokens, training_example
 from genrec.offline.splits import leave_one_out
 from genrec.offline.train_target import (
     LevelLoss,
@@ -52,18 +51,33 @@ def test_training_sequences_add_the_validation_item_never_the_test_item():
             assert with_valid == train
 
 
-def test_level_loss_smoothing_stays_within_the_level():
+def reference_level_loss(model, items, ids, labels, mask, smoothing: float) -> torch.Tensor:
+    """The loss the slow way: logits over every item token, other levels masked to -inf."""
+    layout = items.layout
+    logits, _ = item_logits(model, layout, ids, mask)
+    trained = labels != IGNORE_INDEX
+    targets = labels[trained] - layout.item_token_start
+    masks = level_masks(layout)
+    in_level = masks[masks.float().argmax(0)[targets]]
+    log_probs = logits[trained].masked_fill(~in_level, float("-inf")).log_softmax(-1)
+    nll = -log_probs.gather(1, targets[:, None]).squeeze(1)
+    uniform = -log_probs.masked_fill(~in_level, 0.0).sum(-1) / in_level.sum(-1)
+    return ((1 - smoothing) * nll + smoothing * uniform).mean()
+
+
+def test_level_loss_equals_masked_full_logits_and_smoothing_stays_within_the_level():
     items = toy_items()
     torch.manual_seed(0)
     model = build_target(PRESETS["tiny"], items.layout)
-    ids, labels, mask = collate([training_example(["i1", "i2", "i3"], items)], 0)
-    plain_fn = LevelLoss(items, torch.device("cpu"))
-    plain = plain_fn(model, ids, labels, mask)
-    level_logits, targets = plain_fn.logits_and_targets(model, ids, labels, mask)
-    assert torch.allclose(plain, F.cross_entropy(level_logits, targets))
+    ids, labels, mask = collate(
+        [training_example(["i1", "i2", "i3"], items), training_example(["i4", "i5"], items)], 0
+    )
+    plain = LevelLoss(items, torch.device("cpu"))(model, ids, labels, mask)
+    assert torch.allclose(plain, reference_level_loss(model, items, ids, labels, mask, 0.0))
     smoothed_fn = LevelLoss(items, torch.device("cpu"), label_smoothing=0.1)
     smoothed = smoothed_fn(model, ids, labels, mask)
-    assert torch.isfinite(smoothed) and not torch.allclose(smoothed, plain)
+    assert torch.allclose(smoothed, reference_level_loss(model, items, ids, labels, mask, 0.1))
+    assert not torch.allclose(smoothed, plain)
     smoothed.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert torch.allclose(smoothed_fn(model, ids, labels, mask, smoothing=False), plain)
