@@ -282,13 +282,13 @@ class Ingestor:
 
     def drain(self, *, commit: bool = True) -> None:
         """Wait for the batch being stored; then commit its offsets (the consumer's thread only)."""
-        offsets = self._collect()
-        if offsets is None:
-            return
-        if commit:
-            self._commit_with_retry(offsets)
-        else:
+        offsets = self._collect() or {}
+        if not commit:
             self._uncommitted = _newest(self._uncommitted, offsets)
+        elif offsets or self._uncommitted:
+            # Offsets a rebalance left behind are committed now, not with the next batch,
+            # which may be long in coming: a restart would re-read them meanwhile.
+            self._commit_with_retry(offsets)
 
     def _collect(self) -> dict[Any, int] | None:
         """Wait for the batch in flight (if any); its offsets, now safe to commit."""
@@ -426,7 +426,10 @@ def _short(exc: BaseException) -> str:
 
 
 class _RebalanceLog(ConsumerRebalanceListener):
-    """Rebalances need no action here (nothing uncommitted survives a poll); log them.
+    """Finishes the write in flight when partitions are revoked, and logs rebalances.
+
+    Its offsets are committed at the next turn of the loop (for the partitions this
+    consumer still owns then), batch or no batch.
 
     An assignment restarts the idle clock: joining a group can take longer than
     ``--exit-when-idle`` on a busy machine.

@@ -310,7 +310,16 @@ def test_broker_restart_mid_stream_loses_nothing(
         wait_for(lambda: ingestor.stats.events_stored >= 500, 120, "ingest to start storing")
         outage()  # mid-stream: a commit in flight, retried until the broker is back
         wait_for(stored(5000), 180, "ingest to resume after the first outage")
-        wait_for(lambda: committed_total(settings) == 5000, 60, "the last commit")
+        committed = [-1]
+
+        def all_committed() -> bool:
+            committed[0] = committed_total(settings)
+            return committed[0] == 5000
+
+        try:
+            wait_for(all_committed, 120, "the last commit")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: committed {committed[0]} of 5000") from None
         outage()  # idle: the loop sits in poll(), which raises as described above
         produce_range(settings, 5000, 8000)
         wait_for(stored(8000), 180, "ingest to resume after the second outage")

@@ -132,6 +132,18 @@ def test_stop_finishes_the_batch_in_hand(tmp_path):
     assert stats.batches == 1 and consumer.committed == {tp: 1} and journal[-1] == "close"
 
 
+def test_offsets_a_rebalance_left_behind_are_committed_while_idle(tmp_path):
+    tp = TopicPartition("t", 0)
+    batch = {tp: [Record("t", 0, 7, b"u1", event_bytes(7), 0)]}
+    ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, [])
+    consumer.owned.add(tp)  # assigned back to this consumer by the same rebalance
+    ingestor._in_flight = ingestor._start_store(ingestor.prepare(batch))
+    ingestor.drain(commit=False)  # what on_partitions_revoked does
+    assert consumer.committed == {}
+    ingestor.run(exit_when_idle_s=0.0)  # no batch comes: the idle loop commits them
+    assert consumer.committed == {tp: 8}
+
+
 def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
     from kafka.errors import KafkaConnectionError, NodeNotReadyError
 
