@@ -249,7 +249,7 @@ def committed_total(settings: Settings) -> int:
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
-    admin = KafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap)
+    admin = KafkaAdminClient(bootstrap_servers=settings.kafka.bootstrap, request_timeout_ms=10_000)
     try:
         offsets = admin.list_group_offsets(settings.ingest.group_id)[settings.ingest.group_id]
     except KafkaError:  # e.g. NotCoordinator while a restarted broker loads its groups
