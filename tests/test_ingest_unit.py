@@ -160,6 +160,16 @@ def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
         assert connection.execute(select(func.count()).select_from(events)).scalar() == 2
 
 
+def test_ingest_health_turns_red_after_two_minutes_without_kafka(tmp_path):
+    import time
+
+    ingestor, *_ = make_ingestor(tmp_path, [])
+    assert ingestor.health()[0]
+    ingestor._poll._since = time.monotonic() - 130  # an outage that began 130 s ago
+    ok, details = ingestor.health()
+    assert not ok and details["kafka_unreachable_s"] >= 130
+
+
 def test_a_non_retriable_poll_error_is_raised_and_the_consumer_closed(tmp_path):
     from kafka.errors import KafkaConfigurationError
 

@@ -329,3 +329,13 @@ def test_a_non_retriable_poll_error_stops_the_worker_and_closes_the_clients() ->
     with pytest.raises(KafkaConfigurationError):
         worker.run(exit_when_idle_s=0)
     assert consumer.closed and producer.closed
+
+
+def test_health_turns_red_after_two_minutes_without_kafka() -> None:
+    import time
+
+    worker, *_ = make_worker([])
+    assert worker.health()[0]
+    worker._poll._since = time.monotonic() - 130  # an outage that began 130 s ago
+    ok, details = worker.health()
+    assert not ok and details["kafka_unreachable_s"] >= 130
