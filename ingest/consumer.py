@@ -314,7 +314,7 @@ class Ingestor:
                 delay = min(delay * 2, 10.0)
 
     def _commit_with_retry(self, offsets: dict[Any, int]) -> None:
-        from kafka.errors import CommitFailedError, KafkaError
+        from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
         from kafka.structs import OffsetAndMetadata
 
         offsets = _newest(self._uncommitted, offsets)
@@ -332,10 +332,14 @@ class Ingestor:
                 self.consumer.commit(offsets=to_commit, timeout_ms=10_000)
                 self.stats.commits += 1
                 return
-            except CommitFailedError as exc:
-                # The group moved on (we lost these partitions): whoever owns them now
-                # re-reads from the last commit, and the store skips what we wrote.
-                log.warning("offset commit refused after a rebalance: %s", _short(exc))
+            except (CommitFailedError, RebalanceInProgressError) as exc:
+                # The group is rebalancing, or went on without us, and only poll() rejoins
+                # it: retrying here would spin forever. The offsets wait; at the next turn
+                # of the loop those of partitions this consumer still owns are committed,
+                # the others' new owners re-read from the last commit (the store skips
+                # what we wrote).
+                self._uncommitted = _newest(self._uncommitted, offsets)
+                log.warning("offset commit deferred to after the rebalance: %s", _short(exc))
                 return
             except KafkaError as exc:
                 metrics.ERRORS.labels(component="ingest", kind="commit").inc()

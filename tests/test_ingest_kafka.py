@@ -299,16 +299,19 @@ def test_broker_restart_mid_stream_loses_nothing(
 
         return check
 
-    def outage() -> None:
+    def outage(seconds: float) -> None:
         kafka_broker.down()
-        time.sleep(5)  # the consumer polls, commits and looks for its coordinator meanwhile
+        time.sleep(seconds)  # the consumer polls, commits and looks for its coordinator
         kafka_broker.up(timeout=180)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     try:
         wait_for(lambda: ingestor.stats.events_stored >= 500, 120, "ingest to start storing")
-        outage()  # mid-stream: a commit in flight, retried until the broker is back
+        # Mid-stream, and longer than the 10 s session: commits fail until the broker
+        # is back, then the group must rebalance (this member's session expired) and
+        # refuses commits until a poll() completes it.
+        outage(12)
         wait_for(stored(5000), 180, "ingest to resume after the first outage")
         committed = [-1]
 
@@ -320,7 +323,7 @@ def test_broker_restart_mid_stream_loses_nothing(
             wait_for(all_committed, 120, "the last commit")
         except AssertionError as exc:
             raise AssertionError(f"{exc}: committed {committed[0]} of 5000") from None
-        outage()  # idle: the loop sits in poll(), which raises as described above
+        outage(5)  # idle: the loop sits in poll(), which raises as described above
         produce_range(settings, 5000, 8000)
         wait_for(stored(8000), 180, "ingest to resume after the second outage")
     finally:

@@ -36,6 +36,7 @@ class FakeConsumer:
     def __init__(self, batches, journal):
         self.batches, self.journal, self.committed = list(batches), journal, {}
         self.owned = set()
+        self.commit_errors: list[Exception] = []  # raised by the next commits, in order
 
     def poll(self, timeout_ms=0):
         batch = self.batches.pop(0) if self.batches else {}
@@ -45,6 +46,9 @@ class FakeConsumer:
         return batch
 
     def commit(self, offsets, timeout_ms=None):
+        if self.commit_errors:
+            self.journal.append("commit refused")
+            raise self.commit_errors.pop(0)
         self.journal.append("commit")
         self.committed.update({tp: meta.offset for tp, meta in offsets.items()})
 
@@ -142,6 +146,39 @@ def test_offsets_a_rebalance_left_behind_are_committed_while_idle(tmp_path):
     assert consumer.committed == {}
     ingestor.run(exit_when_idle_s=0.0)  # no batch comes: the idle loop commits them
     assert consumer.committed == {tp: 8}
+
+
+def test_a_commit_refused_by_a_rebalance_waits_for_the_next_poll_instead_of_spinning(tmp_path):
+    from kafka.errors import CommitFailedError, RebalanceInProgressError
+
+    tp = TopicPartition("t", 0)
+    first, second = ({tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in (1, 2))
+    ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, [first, second])
+    # kafka-python: "You can try completing the rebalance by calling poll()". Retrying the
+    # commit without a poll in between would never succeed (a CI run spun for 2 minutes).
+    consumer.commit_errors = [RebalanceInProgressError("rebalancing"), CommitFailedError("gone")]
+    ingestor._commit_with_retry = _no_sleep_retry(ingestor)
+    stats = ingestor.run(until=lambda _: consumer.committed.get(tp) == 3 or len(journal) > 20)
+    assert stats.events_stored == 2 and consumer.committed == {tp: 3}
+    # refused with batch 2 in flight, refused again when idle, then committed when idle
+    assert journal[:3] == ["commit refused", "commit refused", "commit"]
+
+
+def _no_sleep_retry(ingestor):
+    """The real commit, failing the test if it ever sleeps to retry (it must return instead)."""
+    import genrec.ingest.consumer as consumer_module
+
+    real = ingestor._commit_with_retry
+
+    def commit(offsets):
+        original_sleep = consumer_module.time.sleep
+        consumer_module.time.sleep = lambda s: pytest.fail("the commit retried in place")
+        try:
+            return real(offsets)
+        finally:
+            consumer_module.time.sleep = original_sleep
+
+    return commit
 
 
 def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
