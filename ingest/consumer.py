@@ -343,6 +343,11 @@ class Ingestor:
                 return
             except KafkaError as exc:
                 metrics.ERRORS.labels(component="ingest", kind="commit").inc()
+                if not getattr(exc, "retriable", False):
+                    # Authorization, a fenced instance, an unsupported broker: waiting
+                    # cannot fix these, so stop with the error (nothing is lost: the
+                    # batch is stored and will be re-read, and skipped, after a restart).
+                    raise
                 if self._stop.is_set():
                     log.warning("offset commit failed while stopping: %s", _short(exc))
                     return

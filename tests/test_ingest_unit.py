@@ -164,15 +164,35 @@ def test_a_commit_refused_by_a_rebalance_waits_for_the_next_poll_instead_of_spin
     assert journal[:3] == ["commit refused", "commit refused", "commit"]
 
 
-def _no_sleep_retry(ingestor):
-    """The real commit, failing the test if it ever sleeps to retry (it must return instead)."""
+def test_a_commit_error_that_waiting_cannot_fix_stops_ingest_with_that_error(tmp_path):
+    from kafka.errors import GroupAuthorizationFailedError, KafkaConnectionError
+
+    tp = TopicPartition("t", 0)
+    first, second = ({tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in (1, 2))
+    ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, [first, second])
+    consumer.commit_errors = [KafkaConnectionError("refused"), GroupAuthorizationFailedError()]
+    ingestor._commit_with_retry = _no_sleep_retry(ingestor, allow_sleep=True)
+    with pytest.raises(GroupAuthorizationFailedError):
+        ingestor.run(exit_when_idle_s=0.0)
+    # the broker error was retried, the authorization error was not; the consumer closed
+    assert journal.count("commit refused") == 2 and journal[-1] == "close"
+    assert ingestor.stats.events_stored >= 1 and consumer.committed == {}
+
+
+def _no_sleep_retry(ingestor, allow_sleep: bool = False):
+    """The real commit, failing the test if it ever sleeps to retry (unless ``allow_sleep``:
+    then the retry just does not wait)."""
     import genrec.ingest.consumer as consumer_module
 
     real = ingestor._commit_with_retry
 
+    def no_sleep(_seconds: float) -> None:
+        if not allow_sleep:
+            pytest.fail("the commit retried in place")
+
     def commit(offsets):
         original_sleep = consumer_module.time.sleep
-        consumer_module.time.sleep = lambda s: pytest.fail("the commit retried in place")
+        consumer_module.time.sleep = no_sleep
         try:
             return real(offsets)
         finally:
