@@ -12,6 +12,7 @@ from sqlalchemy import func, select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
+from genrec.ingest import consumer as consumer_module
 from genrec.ingest import replay
 from genrec.ingest.consumer import Ingestor
 from genrec.ingest.store import upsert_items, write_events
@@ -148,7 +149,9 @@ def test_offsets_a_rebalance_left_behind_are_committed_while_idle(tmp_path):
     assert consumer.committed == {tp: 8}
 
 
-def test_a_commit_refused_by_a_rebalance_waits_for_the_next_poll_instead_of_spinning(tmp_path):
+def test_a_commit_refused_by_a_rebalance_waits_for_the_next_poll_instead_of_spinning(
+    tmp_path, monkeypatch
+):
     from kafka.errors import CommitFailedError, RebalanceInProgressError
 
     tp = TopicPartition("t", 0)
@@ -157,48 +160,27 @@ def test_a_commit_refused_by_a_rebalance_waits_for_the_next_poll_instead_of_spin
     # kafka-python: "You can try completing the rebalance by calling poll()". Retrying the
     # commit without a poll in between would never succeed (a CI run spun for 2 minutes).
     consumer.commit_errors = [RebalanceInProgressError("rebalancing"), CommitFailedError("gone")]
-    ingestor._commit_with_retry = _no_sleep_retry(ingestor)
+    fail = lambda _seconds: pytest.fail("the commit retried in place")  # noqa: E731
+    monkeypatch.setattr(consumer_module.time, "sleep", fail)
     stats = ingestor.run(until=lambda _: consumer.committed.get(tp) == 3 or len(journal) > 20)
     assert stats.events_stored == 2 and consumer.committed == {tp: 3}
     # refused with batch 2 in flight, refused again when idle, then committed when idle
     assert journal[:3] == ["commit refused", "commit refused", "commit"]
 
 
-def test_a_commit_error_that_waiting_cannot_fix_stops_ingest_with_that_error(tmp_path):
+def test_a_commit_error_that_waiting_cannot_fix_stops_ingest_with_that_error(tmp_path, monkeypatch):
     from kafka.errors import GroupAuthorizationFailedError, KafkaConnectionError
 
     tp = TopicPartition("t", 0)
     first, second = ({tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in (1, 2))
     ingestor, consumer, _, journal, _ = make_ingestor(tmp_path, [first, second])
     consumer.commit_errors = [KafkaConnectionError("refused"), GroupAuthorizationFailedError()]
-    ingestor._commit_with_retry = _no_sleep_retry(ingestor, allow_sleep=True)
+    monkeypatch.setattr(consumer_module.time, "sleep", lambda _seconds: None)  # retry at once
     with pytest.raises(GroupAuthorizationFailedError):
         ingestor.run(exit_when_idle_s=0.0)
     # the broker error was retried, the authorization error was not; the consumer closed
     assert journal.count("commit refused") == 2 and journal[-1] == "close"
     assert ingestor.stats.events_stored >= 1 and consumer.committed == {}
-
-
-def _no_sleep_retry(ingestor, allow_sleep: bool = False):
-    """The real commit, failing the test if it ever sleeps to retry (unless ``allow_sleep``:
-    then the retry just does not wait)."""
-    import genrec.ingest.consumer as consumer_module
-
-    real = ingestor._commit_with_retry
-
-    def no_sleep(_seconds: float) -> None:
-        if not allow_sleep:
-            pytest.fail("the commit retried in place")
-
-    def commit(offsets):
-        original_sleep = consumer_module.time.sleep
-        consumer_module.time.sleep = no_sleep
-        try:
-            return real(offsets)
-        finally:
-            consumer_module.time.sleep = original_sleep
-
-    return commit
 
 
 def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
