@@ -37,6 +37,7 @@ from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, insert, select, update
 
 from genrec.offline.generative import GenerativeModels
+from genrec.offline.item_vectors import load_item_vectors, save_pretrained_with_item_vectors
 from genrec.offline.models import pick_device
 from genrec.offline.prompts import ItemTokens
 from genrec.schemas.tables import model_versions
@@ -130,10 +131,10 @@ def _set(engine: Engine, version: int, **values: Any) -> None:
 
 def _write_artifacts(folder: Path, bundle: ModelBundle) -> None:
     folder.mkdir(parents=True)
-    bundle.target.save_pretrained(folder / "target", safe_serialization=True)
+    save_pretrained_with_item_vectors(bundle.target, folder / "target")
     bundle.tokenizer.save_pretrained(folder / "target")
     for variant, draft in bundle.drafts.items():
-        draft.save_pretrained(folder / "drafts" / variant, safe_serialization=True)
+        save_pretrained_with_item_vectors(draft, folder / "drafts" / variant)
         bundle.tokenizer.save_pretrained(folder / "drafts" / variant)
     save_file({"codes": _codes(bundle.item_tokens)}, str(folder / "semantic_ids.safetensors"))
     manifest = {
@@ -211,7 +212,9 @@ def load_model_folder(
 
     def load(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        return model.to(device).eval()
+        model = model.to(device).eval()
+        load_item_vectors(model, path, item_tokens)
+        return model
 
     drafts = {variant: load(folder / "drafts" / variant) for variant in manifest["drafts"]}
     return GenerativeModels(

@@ -76,6 +76,7 @@ class ModelPreset:
     label_smoothing: float = 0.0  # within each level's codes
     reverse_windows: float = 0.0  # share of each epoch's windows trained back to front
     ema_decay: float = 0.0  # > 0: validate and keep a moving average of the target's weights
+    item_vector_dim: int = 0  # > 0: co-occurrence item vectors in the target's input (item_vectors)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,7 +92,7 @@ PRESETS: dict[str, ModelPreset] = {
         intermediate=64, dropout=0.0, draft_hidden=16, draft_layers=1, draft_heads=2,
         draft_intermediate=32, epochs=2, batch_size=32, lr=3e-3, weight_decay=0.0,
         eval_every=1, patience=2, draft_epochs=1, draft_lr=3e-3, teacher_prompts=32,
-        teacher_beams=5,
+        teacher_beams=5, item_vector_dim=8,
     ),
     "small": ModelPreset(
         name="small", pretrained=None, hidden=96, layers=2, heads=4, kv_heads=4,

@@ -224,6 +224,7 @@ def train_sft_draft(
         name=f"{preset.name}-draft", epochs=preset.draft_epochs, lr=preset.draft_lr,
         eval_every=preset.draft_epochs, dropout=0.0, weight_decay=0.0,
         time_budget_s=preset.draft_time_budget_s, reverse_windows=0.0, ema_decay=0.0,
+        item_vector_dim=0,
     )  # fmt: skip
     draft = build_draft(preset, item_tokens.layout)
     return train_target(item_tokens, split, schedule, history_items, model=draft, seed=seed,

@@ -11,7 +11,9 @@ Every ``eval_every`` epochs the model decodes the validation cases
 (``Split.valid``) and training stops when validation HR@10 has not improved
 ``patience`` times; the best weights are kept. With ``preset.ema_decay`` the
 weights validated and kept are an exponential moving average of every step's
-(``WeightAverage``), not the last step's.
+(``WeightAverage``), not the last step's. With ``preset.item_vector_dim`` the
+target also gets each history item's co-occurrence vector in its input, fitted
+on the very sequences it trains on (``genrec.offline.item_vectors``).
 
 A final fit (``preset.fit_on_valid``) adds every user's validation item to the
 training sequences (so each sequence is its user's test history), runs the
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from genrec.offline.generative import PrefixTree, decode_batched
+from genrec.offline.item_vectors import attach_item_vectors, fit_item_vectors, item_vector_embedding
 from genrec.offline.models import ModelPreset, build_target, level_masks, pick_device
 from genrec.offline.prompts import IGNORE_INDEX, ItemTokens, history_prompt, training_example
 from genrec.offline.splits import Case, Split
@@ -285,6 +288,9 @@ def train_target(
     device = pick_device()
     model = (model or build_target(preset, item_tokens.layout)).to(device)
     sequences = training_sequences(split, item_tokens, preset.fit_on_valid)
+    if preset.item_vector_dim > 0 and item_vector_embedding(model) is None:
+        vectors = fit_item_vectors(sequences, item_tokens, preset.item_vector_dim)
+        attach_item_vectors(model, item_tokens, vectors)
     valid = [c for c in split.valid.values() if c.target in item_tokens]
     valid = valid[: valid_limit or preset.eval_users]
     tree = PrefixTree(item_tokens, device)

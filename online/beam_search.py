@@ -210,6 +210,11 @@ class TreeCache:
         self.base = model.get_decoder()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        # An input embedding that reads the codes before a token (offline.item_vectors) needs
+        # them passed in when a call starts inside a cached prompt.
+        self.embedding = model.get_input_embeddings()
+        self.context_width = int(getattr(self.embedding, "context_width", 0))
+        self.pending_context: list[list[int]] = []
         if isinstance(prompts, PrefixBatch):
             self._init_from_prefixes(prompts)
         else:
@@ -252,6 +257,10 @@ class TreeCache:
             torch.tensor(p.prompt_ids[-1:] + list(s), dtype=torch.long, device=self.device)
             for p, s in zip(batch.prefixes, batch.suffixes, strict=True)
         ]
+        if self.context_width:  # the cached tokens just before each pending chain
+            self.pending_context = [
+                p.prompt_ids[:-1][-self.context_width :] for p in batch.prefixes
+            ]
 
     @property
     def length(self) -> int:
@@ -298,11 +307,10 @@ class TreeCache:
             vis[b, :q, old : old + q] = new_vis
             if nb.prompt_nodes is not None:
                 new_ctx[b, nb.prompt_nodes] = True
-                self.pending[b] = self.pending[b][:0]
         mask = torch.zeros(vis.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~vis, torch.finfo(self.dtype).min)
         output = self.base(
-            input_ids=ids,
+            **self._inputs(ids, builders),
             position_ids=positions,
             attention_mask=mask[:, None],
             use_cache=True,
@@ -312,6 +320,24 @@ class TreeCache:
         self.ctx = torch.cat([self.ctx, new_ctx], 1)
         hidden = output.last_hidden_state
         return {b: hidden[b, : nb.size] for b, nb in builders.items()}
+
+    def _inputs(self, ids: torch.Tensor, builders: dict[int, NodeBuilder]) -> dict:
+        """``input_ids``, or the embeddings of a context-reading embedding; consumes pending prompts."""
+        fed = [b for b, nb in builders.items() if nb.prompt_nodes is not None]
+        context = None
+        if self.context_width:
+            context = torch.full((len(ids), self.context_width), -1, dtype=torch.long)
+            for b in fed:
+                before = self.pending_context[b] if self.pending_context else []
+                if before:
+                    context[b, self.context_width - len(before) :] = torch.tensor(before)
+        for b in fed:
+            self.pending[b] = self.pending[b][:0]
+            if self.pending_context:
+                self.pending_context[b] = []
+        if context is None:
+            return {"input_ids": ids}
+        return {"inputs_embeds": self.embedding(ids, context=context.to(self.device))}
 
     def compact(self, keep: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Drop dead nodes: keep each user's prompt plus the slots in ``keep[b]``.

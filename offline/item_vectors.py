@@ -1,0 +1,202 @@
+"""Collaborative item vectors in the target's input (offline step, models; read when decoding).
+
+A semantic ID says what an item is like; which items are watched together the
+target has to learn from its training windows alone, one pair at a time.
+Item-CF and the ANN branch count those pairs over all users at once. So the
+target also gets each history item's co-occurrence embedding
+(``recall.cooccurrence_embeddings`` of the very sequences it is trained on, unit
+length): a learned projection of it is added to the input embedding at the
+item's **last** code, the position from which the next item is predicted. Only
+there: the item is known once all its codes are in, and the positions before
+predict the item's own later codes, which its vector would give away.
+
+Nothing in the token contract changes: prompts are the same tokens, and the
+vector is found from the codes themselves (the item whose semantic ID the
+``depth`` tokens ending at a position spell). A model call that starts inside an
+item (a cached prefix ends one token before its prompt) passes the tokens before
+its first one as ``context``. Items without a vector (added to the catalog after
+training) get none. The vectors and projection are saved next to the target as
+``item_vectors.safetensors``; the target itself stays a plain transformers
+checkpoint.
+
+Example::
+
+    >>> import numpy as np, torch
+    >>> from genrec.offline.models import PRESETS, build_target
+    >>> from genrec.offline.prompts import ItemTokens
+    >>> from genrec.schemas.token_layout import TokenLayout
+    >>> layout = TokenLayout.for_scratch_model((4, 4, 2))
+    >>> items = ItemTokens(["a", "b"], np.array([[0, 1, 0], [3, 1, 1]]), layout)
+    >>> target = build_target(PRESETS["tiny"], layout)
+    >>> embedding = attach_item_vectors(target, items, torch.ones(2, 8))
+    >>> embedding.item_rows(torch.tensor([items.tokens_of("b")])).tolist()
+    [[-1, -1, 1]]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from genrec.offline.prompts import ItemTokens
+
+FILE_NAME = "item_vectors.safetensors"
+NO_TOKEN = -1  # context filler: never part of an item
+
+
+class ItemVectorEmbedding(nn.Module):
+    """Token embedding plus ``projection(vectors[item])`` at the last code of every complete item."""
+
+    def __init__(
+        self, token_embedding: nn.Embedding, item_tokens: ItemTokens, vectors: torch.Tensor
+    ) -> None:
+        super().__init__()
+        layout = item_tokens.layout
+        if vectors.ndim != 2 or vectors.shape[0] != len(item_tokens):
+            raise ValueError(
+                f"need one vector per catalog item ({len(item_tokens)}), got {tuple(vectors.shape)}"
+            )
+        self.token_embedding = token_embedding
+        self.depth = layout.depth
+        device = token_embedding.weight.device
+        starts = torch.tensor([layout.level_start(lv) for lv in range(self.depth)], device=device)
+        sizes = torch.tensor(layout.codes_per_level, device=device)
+        self.register_buffer("level_starts", starts, persistent=False)
+        self.register_buffer("level_sizes", sizes, persistent=False)
+        table = torch.as_tensor(np.asarray(item_tokens.table), device=device)
+        keys, rows = self._keys(table - starts).sort()
+        self.register_buffer("sorted_keys", keys, persistent=False)
+        self.register_buffer("key_rows", rows, persistent=False)
+        dtype = token_embedding.weight.dtype
+        self.register_buffer("vectors", vectors.to(device, dtype), persistent=False)
+        hidden = token_embedding.weight.shape[1]
+        self.projection = nn.Linear(
+            vectors.shape[1], hidden, bias=False, device=device, dtype=dtype
+        )
+        # the size of a token embedding at initialization (the models' initializer_range)
+        nn.init.normal_(self.projection.weight, std=0.02)
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """The token embedding's weight (tied to the output layer; transformers looks here)."""
+        return self.token_embedding.weight
+
+    @property
+    def context_width(self) -> int:
+        """Tokens before a call's first one that ``forward(..., context=)`` can use."""
+        return self.depth - 1
+
+    def _keys(self, codes: torch.Tensor) -> torch.Tensor:
+        """One int64 per semantic ID (mixed radix over the levels' code counts)."""
+        key = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
+        for level in range(self.depth):
+            key = key * self.level_sizes[level] + codes[..., level]
+        return key
+
+    def item_rows(
+        self, input_ids: torch.Tensor, context: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """LongTensor like ``input_ids``: the catalog row of the item whose last code is there, else -1.
+
+        ``context[b]``: the ``depth - 1`` tokens before ``input_ids[b, 0]`` (``NO_TOKEN`` if none).
+        """
+        width = self.depth - 1
+        if context is None:
+            context = torch.full(
+                (input_ids.shape[0], width), NO_TOKEN, dtype=torch.long, device=input_ids.device
+            )
+        ids = torch.cat([context.to(input_ids), input_ids], 1)
+        # windows[b, t, l]: the token l levels into the window ending at input position t
+        windows = ids.unfold(1, self.depth, 1)
+        codes = windows - self.level_starts
+        valid = ((codes >= 0) & (codes < self.level_sizes)).all(-1)
+        keys = self._keys(codes.clamp(min=0))
+        found = torch.searchsorted(self.sorted_keys, keys).clamp(max=len(self.sorted_keys) - 1)
+        valid &= self.sorted_keys[found] == keys
+        return torch.where(valid, self.key_rows[found], -1)
+
+    def forward(self, input_ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        embeddings = self.token_embedding(input_ids)
+        rows = self.item_rows(input_ids, context)
+        at = rows >= 0
+        if not bool(at.any()):
+            return embeddings
+        added = self.projection(self.vectors[rows[at]]).to(embeddings.dtype)
+        return embeddings.index_put((*at.nonzero(as_tuple=True),), added, accumulate=True)
+
+
+def fit_item_vectors(
+    sequences: Sequence[Sequence[str]], item_tokens: ItemTokens, dim: int, window: int = 20
+) -> torch.Tensor:
+    """Unit co-occurrence embeddings of the catalog (``item_tokens`` order) from ``sequences``.
+
+    Items that never occur get a zero vector. Fit on the sequences the target is
+    trained on, never on held-out items.
+    """
+    from genrec.offline.recall import cooccurrence_embeddings, normalize_rows
+
+    by_row = dict(enumerate(sequences))
+    vectors = cooccurrence_embeddings(by_row, item_tokens.item_ids, dim=dim, window=window)
+    return torch.from_numpy(normalize_rows(vectors))
+
+
+def attach_item_vectors(
+    model, item_tokens: ItemTokens, vectors: torch.Tensor
+) -> ItemVectorEmbedding:
+    """Wrap ``model``'s input embedding so it adds the item vectors; returns the wrapper."""
+    if item_vector_embedding(model) is not None:
+        raise ValueError("the model already has item vectors")
+    embedding = ItemVectorEmbedding(model.get_input_embeddings(), item_tokens, vectors)
+    embedding.train(model.training)
+    model.set_input_embeddings(embedding)
+    return embedding
+
+
+def item_vector_embedding(model) -> ItemVectorEmbedding | None:
+    """The model's ``ItemVectorEmbedding``, or None for a plain model."""
+    embedding = model.get_input_embeddings()
+    return embedding if isinstance(embedding, ItemVectorEmbedding) else None
+
+
+@contextlib.contextmanager
+def plain_input_embeddings(model) -> Iterator[ItemVectorEmbedding | None]:
+    """Inside the block the model has its plain token embedding (e.g. for ``save_pretrained``)."""
+    embedding = item_vector_embedding(model)
+    if embedding is None:
+        yield None
+        return
+    model.set_input_embeddings(embedding.token_embedding)
+    try:
+        yield embedding
+    finally:
+        model.set_input_embeddings(embedding)
+
+
+def save_pretrained_with_item_vectors(model, folder: Path) -> None:
+    """``save_pretrained`` of the plain model, plus ``item_vectors.safetensors`` if it has any."""
+    with plain_input_embeddings(model) as embedding:
+        model.save_pretrained(folder, safe_serialization=True)
+    if embedding is not None:
+        tensors = {
+            "vectors": embedding.vectors.detach().cpu().contiguous(),
+            "projection": embedding.projection.weight.detach().cpu().contiguous(),
+        }
+        save_file(tensors, str(Path(folder) / FILE_NAME))
+
+
+def load_item_vectors(model, folder: Path, item_tokens: ItemTokens) -> ItemVectorEmbedding | None:
+    """Attach the item vectors saved in ``folder`` (if any) to a model loaded from it."""
+    path = Path(folder) / FILE_NAME
+    if not path.exists():
+        return None
+    tensors = load_file(str(path))
+    embedding = attach_item_vectors(model, item_tokens, tensors["vectors"])
+    with torch.no_grad():
+        embedding.projection.weight.copy_(tensors["projection"])
+    return embedding

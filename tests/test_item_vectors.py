@@ -1,0 +1,129 @@
+"""Co-occurrence item vectors in the target's input: lookup, prefix-cache equality, save/load, training."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from genrec.offline.item_vectors import (
+    FILE_NAME,
+    attach_item_vectors,
+    fit_item_vectors,
+    item_vector_embedding,
+    load_item_vectors,
+    plain_input_embeddings,
+    save_pretrained_with_item_vectors,
+)
+from genrec.offline.prompts import ItemTokens
+from genrec.online.beam_search import beam_search
+from genrec.online.decoding_bench import BenchModels, load_models
+from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
+from genrec.online.speculative import speculative_beam_search
+
+
+def catalog(case: BenchModels) -> ItemTokens:
+    layout = case.layout
+    starts = torch.tensor([layout.level_start(level) for level in range(layout.depth)])
+    codes = (case.trie.item_tokens.cpu() - starts).numpy()
+    return ItemTokens([f"i{row}" for row in range(len(codes))], codes, layout)
+
+
+@pytest.fixture(scope="module")
+def case() -> BenchModels:
+    """The tiny random bench models; the target gets random item vectors, projected strongly."""
+    torch.set_num_threads(2)
+    case = load_models("tiny")
+    items = catalog(case)
+    generator = torch.Generator().manual_seed(5)
+    vectors = torch.randn(len(items), 6, generator=generator)
+    embedding = attach_item_vectors(case.target, items, vectors)
+    with torch.no_grad():
+        embedding.projection.weight.normal_(0.0, 1.0, generator=generator)
+    case.target.eval()
+    return case
+
+
+def split(case: BenchModels):
+    depth = case.layout.depth
+    prefixes, suffixes, full = [], [], []
+    for user in case.eval_users:
+        cut = len(user.prompt) - user.suffix_items * depth
+        prefixes.append(user.prompt[:cut])
+        suffixes.append(user.prompt[cut:])
+        full.append(user.prompt)
+    return prefixes, suffixes, full
+
+
+def test_the_vector_goes_to_the_last_code_of_each_complete_item(case: BenchModels):
+    embedding = item_vector_embedding(case.target)
+    items = catalog(case)
+    bos = case.layout.bos_token_id
+    prompt = [bos, *items.tokens_of("i3"), *items.tokens_of("i7")]
+    rows = embedding.item_rows(torch.tensor([prompt]))[0].tolist()
+    depth = case.layout.depth
+    assert rows == [-1] * depth + [3] + [-1] * (depth - 1) + [7]
+    # a call that starts at the last code finds its item only with the tokens before it as context
+    tail = torch.tensor([prompt[-1:]])
+    assert embedding.item_rows(tail).tolist() == [[-1]]
+    context = torch.tensor([prompt[-depth:-1]])
+    assert embedding.item_rows(tail, context).tolist() == [[7]]
+    # no effect before the first complete item; an effect from it on
+    with plain_input_embeddings(case.target):
+        plain = case.target(torch.tensor([prompt])).logits[0]
+    with_vectors = case.target(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(with_vectors[:depth], plain[:depth])
+    assert not torch.allclose(with_vectors[depth:], plain[depth:])
+
+
+def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: BenchModels):
+    prefixes, suffixes, full = split(case)
+    reference = beam_search(case.target, full, case.trie, case.layout, 5)
+    for prompts, tails in ((prefixes, suffixes), (full, None)):
+        batch = PrefixBatch(compute_prefix_kv(case.target, prompts, "v1"), tails or [])
+        result = beam_search(case.target, batch, case.trie, case.layout, 5)
+        assert torch.equal(result.tokens, reference.tokens)
+        torch.testing.assert_close(result.scores, reference.scores)
+
+
+def test_speculative_search_with_item_vectors_is_lossless(case: BenchModels):
+    prefixes, suffixes, full = split(case)
+    reference = beam_search(case.target, full, case.trie, case.layout, 5)
+    batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
+    draft_batch = PrefixBatch(compute_prefix_kv(case.draft, prefixes, "d1"), suffixes)
+    for prompts in ((batch, draft_batch), full):
+        result = speculative_beam_search(
+            case.target, case.draft, prompts, case.trie, case.layout, 5
+        )
+        assert torch.equal(result.tokens, reference.tokens)
+
+
+def test_saved_target_is_a_plain_checkpoint_and_reloads_with_its_vectors(case, tmp_path):
+    save_pretrained_with_item_vectors(case.target, tmp_path)
+    assert item_vector_embedding(case.target) is not None  # saving leaves the model as it was
+    assert (tmp_path / FILE_NAME).exists()
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=case.target.dtype).eval()
+    assert item_vector_embedding(plain) is None
+    prompt = torch.tensor([case.eval_users[0].prompt])
+    with plain_input_embeddings(case.target):
+        torch.testing.assert_close(plain(prompt).logits, case.target(prompt).logits)
+    assert load_item_vectors(plain, tmp_path, catalog(case)) is not None
+    torch.testing.assert_close(plain(prompt).logits, case.target(prompt).logits)
+    empty = tmp_path / "no-vectors"
+    empty.mkdir()
+    assert load_item_vectors(plain, empty, catalog(case)) is None
+
+
+def test_vectors_are_fitted_on_the_given_sequences_only():
+    from genrec.schemas.token_layout import TokenLayout
+
+    layout = TokenLayout.for_scratch_model((4, 4))
+    codes = np.array([[a, b] for a in range(4) for b in range(4)])[:6]
+    items = ItemTokens([f"m{i}" for i in range(6)], codes, layout)
+    sequences = [["m0", "m1", "m2", "m0"], ["m1", "m2", "m3"], ["m0", "m3", "m1"]]
+    vectors = fit_item_vectors(sequences, items, dim=3)
+    assert vectors.shape == (6, 3)
+    norms = vectors.norm(dim=1)
+    torch.testing.assert_close(norms[:4], torch.ones(4))
+    assert torch.equal(norms[4:], torch.zeros(2))  # never seen in the sequences: no vector
