@@ -4,13 +4,15 @@ A preset names the target model (transformers causal LM), its draft (same
 tokenizer, far fewer layers) and their training schedules:
 
 - ``tiny``: a few thousand parameters, for tests (seconds).
-- ``small``: a Llama-style model trained from scratch on semantic-ID tokens;
+- ``small``: a Llama-style model trained from scratch on semantic-ID tokens,
   sized for ML-100K on a 2-core CPU. Its schedule (cosine), the share of windows
   trained back to front (``reverse_windows`` 0.5), the moving average of its
-  weights (``ema_decay`` 0.995) and the epochs (24: more kept paying, the
+  weights (``ema_decay`` 0.995), the epochs (24: more kept paying, the
   15-minute budget for target and drafts stops there; ``time_budget_s`` caps a
-  slower machine) were each chosen on validation over three seeds of a
-  train-only fit (see docs/evaluation.md); the shipped model is then fitted on
+  slower machine) and the 256-dimensional co-occurrence item vectors in its
+  input (``item_vector_dim``, ``genrec.offline.item_vectors``) were each chosen
+  on validation over three seeds of a train-only fit (see docs/evaluation.md);
+  the shipped model is then fitted on
   train + validation items (``fit_on_valid``: the test items are never seen) with
   the same schedule.
 - ``smollm2-135m``: the pretrained SmolLM2-135M-Instruct (see
@@ -100,7 +102,7 @@ PRESETS: dict[str, ModelPreset] = {
         draft_intermediate=192, epochs=24, batch_size=32, lr=4e-3, weight_decay=0.1,
         eval_every=24, patience=1, draft_epochs=4, draft_lr=2e-3, teacher_prompts=3000,
         teacher_beams=10, time_budget_s=630.0, draft_time_budget_s=120.0, fit_on_valid=True,
-        label_smoothing=0.1, reverse_windows=0.5, ema_decay=0.995,
+        label_smoothing=0.1, reverse_windows=0.5, ema_decay=0.995, item_vector_dim=256,
     ),
     "smollm2-135m": ModelPreset(
         name="smollm2-135m", pretrained="smollm2-135m", hidden=576, layers=30, heads=9,

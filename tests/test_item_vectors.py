@@ -32,16 +32,17 @@ def catalog(case: BenchModels) -> ItemTokens:
 
 @pytest.fixture(scope="module")
 def case() -> BenchModels:
-    """The tiny random bench models; the target gets random item vectors, projected strongly."""
+    """The tiny random bench models, each with random item vectors, projected strongly."""
     torch.set_num_threads(2)
     case = load_models("tiny")
     items = catalog(case)
     generator = torch.Generator().manual_seed(5)
     vectors = torch.randn(len(items), 6, generator=generator)
-    embedding = attach_item_vectors(case.target, items, vectors)
-    with torch.no_grad():
-        embedding.projection.weight.normal_(0.0, 1.0, generator=generator)
-    case.target.eval()
+    for model in (case.target, case.draft):
+        embedding = attach_item_vectors(model, items, vectors)
+        with torch.no_grad():
+            embedding.projection.weight.normal_(0.0, 1.0, generator=generator)
+        model.eval()
     return case
 
 
@@ -87,7 +88,7 @@ def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: Ben
         torch.testing.assert_close(result.scores, reference.scores)
 
 
-def test_speculative_search_with_item_vectors_is_lossless(case: BenchModels):
+def test_speculative_search_with_item_vectors_in_both_models_is_lossless(case: BenchModels):
     prefixes, suffixes, full = split(case)
     reference = beam_search(case.target, full, case.trie, case.layout, 5)
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)

@@ -113,6 +113,7 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
     def spy(item_tokens, split, schedule, *args, **kwargs):
         seen["reverse_windows"] = schedule.reverse_windows
         seen["ema_decay"] = schedule.ema_decay
+        seen["item_vector_dim"] = schedule.item_vector_dim
         return real(item_tokens, split, schedule, *args, **kwargs)
 
     monkeypatch.setattr(train_draft, "train_target", spy)
@@ -121,7 +122,32 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
         PRESETS["tiny"], reverse_windows=0.5, draft_epochs=1, ema_decay=0.9
     )
     train_draft.train_sft_draft(items, split, preset, history_items=5, progress=False)
-    assert seen == {"reverse_windows": 0.0, "ema_decay": 0.0}  # the draft's own recipe
+    # the draft's own recipe (time order, no average), with the target's kind of input
+    assert seen == {"reverse_windows": 0.0, "ema_decay": 0.0, "item_vector_dim": 8}
+
+
+def test_item_vectors_are_fitted_on_the_training_sequences_only(monkeypatch):
+    from genrec.offline import train_target as module
+    from genrec.offline.item_vectors import item_vector_embedding
+
+    fitted = []
+    real = module.fit_item_vectors
+
+    def spy(sequences, item_tokens, dim, *args, **kwargs):
+        fitted.append([list(s) for s in sequences])
+        return real(sequences, item_tokens, dim, *args, **kwargs)
+
+    monkeypatch.setattr(module, "fit_item_vectors", spy)
+    items, split = toy_items(), toy_split()
+    for final_fit in (False, True):
+        preset = dataclasses.replace(PRESETS["tiny"], epochs=1, fit_on_valid=final_fit)
+        model = train_target(items, split, preset, history_items=5, progress=False).model
+        embedding = item_vector_embedding(model)
+        assert embedding is not None and embedding.vectors.shape == (len(items), 8)
+        assert fitted[-1] == training_sequences(split, items, with_valid=final_fit)
+    plain = dataclasses.replace(PRESETS["tiny"], epochs=1, item_vector_dim=0)
+    model = train_target(items, split, plain, history_items=5, progress=False).model
+    assert item_vector_embedding(model) is None and len(fitted) == 2
 
 
 def test_weight_average_follows_the_steps_and_swaps_back():
