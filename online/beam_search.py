@@ -307,6 +307,7 @@ class TreeCache:
             vis[b, :q, old : old + q] = new_vis
             if nb.prompt_nodes is not None:
                 new_ctx[b, nb.prompt_nodes] = True
+                self.pending[b] = self.pending[b][:0]
         mask = torch.zeros(vis.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~vis, torch.finfo(self.dtype).min)
         output = self.base(
@@ -322,22 +323,18 @@ class TreeCache:
         return {b: hidden[b, : nb.size] for b, nb in builders.items()}
 
     def _inputs(self, ids: torch.Tensor, builders: dict[int, NodeBuilder]) -> dict:
-        """``input_ids``, or the embeddings of a context-reading embedding; consumes pending prompts."""
-        fed = [b for b, nb in builders.items() if nb.prompt_nodes is not None]
-        context = None
-        if self.context_width:
-            context = torch.full((len(ids), self.context_width), -1, dtype=torch.long)
-            for b in fed:
-                before = self.pending_context[b] if self.pending_context else []
-                if before:
-                    context[b, self.context_width - len(before) :] = torch.tensor(before)
-        for b in fed:
-            self.pending[b] = self.pending[b][:0]
-            if self.pending_context:
-                self.pending_context[b] = []
-        if context is None:
+        """``input_ids``, or for an embedding that reads the codes before a token its output,
+        given the cached tokens before each pending prompt fed in this call (-1: none)."""
+        if not self.context_width:
             return {"input_ids": ids}
-        return {"inputs_embeds": self.embedding(ids, context=context.to(self.device))}
+        context = torch.full(
+            (len(ids), self.context_width), -1, dtype=torch.long, device=self.device
+        )
+        for b, nb in builders.items():
+            before = self.pending_context[b] if self.pending_context else []
+            if nb.prompt_nodes is not None and before:
+                context[b, self.context_width - len(before) :] = torch.tensor(before)
+        return {"inputs_embeds": self.embedding(ids, context=context)}
 
     def compact(self, keep: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Drop dead nodes: keep each user's prompt plus the slots in ``keep[b]``.
