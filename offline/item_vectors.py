@@ -125,8 +125,6 @@ class ItemVectorEmbedding(nn.Module):
         embeddings = self.token_embedding(input_ids)
         rows = self.item_rows(input_ids, context)
         at = rows >= 0
-        if not bool(at.any()):
-            return embeddings
         added = self.projection(self.vectors[rows[at]]).to(embeddings.dtype)
         return embeddings.index_put((*at.nonzero(as_tuple=True),), added, accumulate=True)
 
