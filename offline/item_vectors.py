@@ -121,8 +121,13 @@ class ItemVectorEmbedding(nn.Module):
         valid &= self.sorted_keys[found] == keys
         return torch.where(valid, self.key_rows[found], -1)
 
-    def forward(self, input_ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, context: torch.Tensor | None = None, find_items: bool = True
+    ) -> torch.Tensor:
+        """``find_items=False``: token embeddings only, for calls known to hold no history item."""
         embeddings = self.token_embedding(input_ids)
+        if not find_items:
+            return embeddings
         rows = self.item_rows(input_ids, context)
         at = rows >= 0
         added = self.projection(self.vectors[rows[at]]).to(embeddings.dtype)

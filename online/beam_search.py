@@ -327,6 +327,10 @@ class TreeCache:
         given the cached tokens before each pending prompt fed in this call (-1: none)."""
         if not self.context_width:
             return {"input_ids": ids}
+        if all(nb.prompt_nodes is None for nb in builders.values()):
+            # Generated codes only: no complete history item here (a leaf's own output is
+            # never used), so the item lookup is skipped; it costs more than the call's tokens.
+            return {"inputs_embeds": self.embedding(ids, find_items=False)}
         context = torch.full(
             (len(ids), self.context_width), -1, dtype=torch.long, device=self.device
         )

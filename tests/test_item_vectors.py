@@ -88,6 +88,28 @@ def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: Ben
         torch.testing.assert_close(result.scores, reference.scores)
 
 
+def test_beam_scores_equal_the_full_forward_of_prompt_plus_item(case: BenchModels):
+    """Independent of the decoder's cache: one plain forward over the prompt and the item's codes."""
+    prefixes, suffixes, _ = split(case)
+    batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
+    result = beam_search(case.target, batch, case.trie, case.layout, 3)
+    layout = case.layout
+    for user in range(len(prefixes)):
+        prompt = prefixes[user] + suffixes[user]
+        for beam in range(3):
+            codes = result.tokens[user, beam].tolist()
+            with torch.no_grad():
+                logits = case.target(torch.tensor([prompt + codes])).logits[0]
+            score = 0.0
+            for level, token in enumerate(codes):
+                rows = layout.level_range(level)
+                step = logits[len(prompt) - 1 + level, rows.start : rows.stop]
+                allowed = case.trie.allowed_mask(torch.tensor([codes[:level]]))[0]
+                log_probs = step.masked_fill(~allowed, -torch.inf).log_softmax(-1)
+                score += float(log_probs[token - rows.start])
+            assert score == pytest.approx(float(result.scores[user, beam]), abs=1e-6)
+
+
 def test_speculative_search_with_item_vectors_in_both_models_is_lossless(case: BenchModels):
     prefixes, suffixes, full = split(case)
     reference = beam_search(case.target, full, case.trie, case.layout, 5)
