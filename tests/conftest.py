@@ -190,3 +190,16 @@ def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0):
     codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
     layout = TokenLayout.for_scratch_model(codes_per_level)
     return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
+
+
+def split_prompts(case, users=slice(None)):
+    """(prefix prompts, suffixes, full prompts) of a decoding bench case's users: the newest
+    ``suffix_items`` items form the suffix."""
+    depth = case.layout.depth
+    prefixes, suffixes, full = [], [], []
+    for user in case.eval_users[users]:
+        cut = len(user.prompt) - user.suffix_items * depth
+        prefixes.append(user.prompt[:cut])
+        suffixes.append(user.prompt[cut:])
+        full.append(user.prompt)
+    return prefixes, suffixes, full

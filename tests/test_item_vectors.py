@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import split_prompts
 from transformers import AutoModelForCausalLM
 
 from genrec.offline.item_vectors import (
@@ -46,17 +47,6 @@ def case() -> BenchModels:
     return case
 
 
-def split(case: BenchModels):
-    depth = case.layout.depth
-    prefixes, suffixes, full = [], [], []
-    for user in case.eval_users:
-        cut = len(user.prompt) - user.suffix_items * depth
-        prefixes.append(user.prompt[:cut])
-        suffixes.append(user.prompt[cut:])
-        full.append(user.prompt)
-    return prefixes, suffixes, full
-
-
 def test_the_vector_goes_to_the_last_code_of_each_complete_item(case: BenchModels):
     embedding = item_vector_embedding(case.target)
     items = catalog(case)
@@ -79,7 +69,7 @@ def test_the_vector_goes_to_the_last_code_of_each_complete_item(case: BenchModel
 
 
 def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: BenchModels):
-    prefixes, suffixes, full = split(case)
+    prefixes, suffixes, full = split_prompts(case)
     reference = beam_search(case.target, full, case.trie, case.layout, 5)
     for prompts, tails in ((prefixes, suffixes), (full, None)):
         batch = PrefixBatch(compute_prefix_kv(case.target, prompts, "v1"), tails or [])
@@ -90,7 +80,7 @@ def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: Ben
 
 def test_beam_scores_equal_the_full_forward_of_prompt_plus_item(case: BenchModels):
     """Independent of the decoder's cache: one plain forward over the prompt and the item's codes."""
-    prefixes, suffixes, _ = split(case)
+    prefixes, suffixes, _ = split_prompts(case)
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     result = beam_search(case.target, batch, case.trie, case.layout, 3)
     layout = case.layout
@@ -111,7 +101,7 @@ def test_beam_scores_equal_the_full_forward_of_prompt_plus_item(case: BenchModel
 
 
 def test_speculative_search_with_item_vectors_in_both_models_is_lossless(case: BenchModels):
-    prefixes, suffixes, full = split(case)
+    prefixes, suffixes, full = split_prompts(case)
     reference = beam_search(case.target, full, case.trie, case.layout, 5)
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     draft_batch = PrefixBatch(compute_prefix_kv(case.draft, prefixes, "d1"), suffixes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import split_prompts
 from transformers import DynamicCache
 
 from genrec.online.beam_search import beam_search
@@ -26,20 +27,8 @@ def case(request) -> BenchModels:
     return load_models(request.param)
 
 
-def split(case: BenchModels, users=slice(None)):
-    """(prefix prompts, suffixes, full prompts): the newest ``suffix_items`` items form the suffix."""
-    depth = case.layout.depth
-    prefixes, suffixes, full = [], [], []
-    for user in case.eval_users[users]:
-        cut = len(user.prompt) - user.suffix_items * depth
-        prefixes.append(user.prompt[:cut])
-        suffixes.append(user.prompt[cut:])
-        full.append(user.prompt)
-    return prefixes, suffixes, full
-
-
 def test_cached_prefix_plus_suffix_gives_the_same_next_token_logits(case: BenchModels):
-    prefixes, suffixes, full = split(case)
+    prefixes, suffixes, full = split_prompts(case)
     cached = compute_prefix_kv(case.target, prefixes, "v1", batch_size=3)
     for prefix_kv, suffix, prompt in zip(cached, suffixes, full, strict=True):
         assert prefix_kv.length == len(prefix_kv.prompt_ids) - 1
@@ -55,7 +44,7 @@ def test_cached_prefix_plus_suffix_gives_the_same_next_token_logits(case: BenchM
 
 @pytest.mark.parametrize("k", [1, 5, 10])
 def test_batched_prefix_caches_of_different_lengths_give_the_same_top_k(case: BenchModels, k: int):
-    prefixes, suffixes, full = split(case)
+    prefixes, suffixes, full = split_prompts(case)
     assert len({len(p) for p in prefixes}) > 1
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     reference = beam_search(case.target, full, case.trie, case.layout, k)
@@ -70,7 +59,7 @@ def test_batched_prefix_caches_of_different_lengths_give_the_same_top_k(case: Be
 
 
 def test_speculative_from_prefix_caches_is_lossless(case: BenchModels):
-    prefixes, suffixes, full = split(case)
+    prefixes, suffixes, full = split_prompts(case)
     reference = beam_search(case.target, full, case.trie, case.layout, 10)
     target_batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     draft_batch = PrefixBatch(compute_prefix_kv(case.draft, prefixes, "d1"), suffixes)
@@ -82,7 +71,7 @@ def test_speculative_from_prefix_caches_is_lossless(case: BenchModels):
 
 
 def test_safetensors_round_trip_and_version_check(case: BenchModels, tmp_path):
-    prefixes, suffixes, _ = split(case, slice(0, 2))
+    prefixes, suffixes, _ = split_prompts(case, slice(0, 2))
     cached = compute_prefix_kv(case.target, prefixes, "v7")
     paths = [tmp_path / f"user{i}.safetensors" for i in range(2)]
     for path, prefix_kv in zip(paths, cached, strict=True):
