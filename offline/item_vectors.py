@@ -22,13 +22,14 @@ checkpoint.
 Example::
 
     >>> import numpy as np, torch
+    >>> from genrec.offline.generative import PrefixTree
     >>> from genrec.offline.models import PRESETS, build_target
     >>> from genrec.offline.prompts import ItemTokens
     >>> from genrec.schemas.token_layout import TokenLayout
     >>> layout = TokenLayout.for_scratch_model((4, 4, 2))
     >>> items = ItemTokens(["a", "b"], np.array([[0, 1, 0], [3, 1, 1]]), layout)
     >>> target = build_target(PRESETS["tiny"], layout)
-    >>> embedding = attach_item_vectors(target, items, torch.ones(2, 8))
+    >>> embedding = attach_item_vectors(target, PrefixTree(items), torch.ones(2, 8))
     >>> embedding.item_rows(torch.tensor([items.tokens_of("b")])).tolist()
     [[-1, -1, 1]]
 """
@@ -39,12 +40,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from genrec.offline.prompts import ItemTokens
+from genrec.online.trie import ItemTrie
 
 FILE_NAME = "item_vectors.safetensors"
 NO_TOKEN = -1  # context filler: never part of an item
@@ -54,26 +55,16 @@ class ItemVectorEmbedding(nn.Module):
     """Token embedding plus ``projection(vectors[item])`` at the last code of every complete item."""
 
     def __init__(
-        self, token_embedding: nn.Embedding, item_tokens: ItemTokens, vectors: torch.Tensor
+        self, token_embedding: nn.Embedding, trie: ItemTrie, vectors: torch.Tensor
     ) -> None:
         super().__init__()
-        layout = item_tokens.layout
-        if vectors.ndim != 2 or vectors.shape[0] != len(item_tokens):
+        if vectors.ndim != 2 or vectors.shape[0] != trie.n_items:
             raise ValueError(
-                f"need one vector per catalog item ({len(item_tokens)}), got {tuple(vectors.shape)}"
+                f"need one vector per catalog item ({trie.n_items}), got {tuple(vectors.shape)}"
             )
         self.token_embedding = token_embedding
-        self.depth = layout.depth
-        device = token_embedding.weight.device
-        starts = torch.tensor([layout.level_start(lv) for lv in range(self.depth)], device=device)
-        sizes = torch.tensor(layout.codes_per_level, device=device)
-        self.register_buffer("level_starts", starts, persistent=False)
-        self.register_buffer("level_sizes", sizes, persistent=False)
-        table = torch.as_tensor(np.asarray(item_tokens.table), device=device)
-        keys, rows = self._keys(table - starts).sort()
-        self.register_buffer("sorted_keys", keys, persistent=False)
-        self.register_buffer("key_rows", rows, persistent=False)
-        dtype = token_embedding.weight.dtype
+        self.trie = trie  # finds the item a window of codes spells (ItemTrie.item_index)
+        device, dtype = token_embedding.weight.device, token_embedding.weight.dtype
         self.register_buffer("vectors", vectors.to(device, dtype), persistent=False)
         hidden = token_embedding.weight.shape[1]
         self.projection = nn.Linear(
@@ -90,14 +81,7 @@ class ItemVectorEmbedding(nn.Module):
     @property
     def context_width(self) -> int:
         """Tokens before a call's first one that ``forward(..., context=)`` can use."""
-        return self.depth - 1
-
-    def _keys(self, codes: torch.Tensor) -> torch.Tensor:
-        """One int64 per semantic ID (mixed radix over the levels' code counts)."""
-        key = torch.zeros(codes.shape[:-1], dtype=torch.long, device=codes.device)
-        for level in range(self.depth):
-            key = key * self.level_sizes[level] + codes[..., level]
-        return key
+        return self.trie.layout.depth - 1
 
     def item_rows(
         self, input_ids: torch.Tensor, context: torch.Tensor | None = None
@@ -106,20 +90,15 @@ class ItemVectorEmbedding(nn.Module):
 
         ``context[b]``: the ``depth - 1`` tokens before ``input_ids[b, 0]`` (``NO_TOKEN`` if none).
         """
-        width = self.depth - 1
         if context is None:
             context = torch.full(
-                (input_ids.shape[0], width), NO_TOKEN, dtype=torch.long, device=input_ids.device
-            )
+                (input_ids.shape[0], self.context_width), NO_TOKEN, dtype=torch.long,
+                device=input_ids.device,
+            )  # fmt: skip
+        self.trie = self.trie.to(input_ids.device)  # follows the model (itself if already there)
         ids = torch.cat([context.to(input_ids), input_ids], 1)
-        # windows[b, t, l]: the token l levels into the window ending at input position t
-        windows = ids.unfold(1, self.depth, 1)
-        codes = windows - self.level_starts
-        valid = ((codes >= 0) & (codes < self.level_sizes)).all(-1)
-        keys = self._keys(codes.clamp(min=0))
-        found = torch.searchsorted(self.sorted_keys, keys).clamp(max=len(self.sorted_keys) - 1)
-        valid &= self.sorted_keys[found] == keys
-        return torch.where(valid, self.key_rows[found], -1)
+        # windows[b, t]: the depth tokens ending at input position t
+        return self.trie.item_index(ids.unfold(1, self.trie.layout.depth, 1))
 
     def forward(
         self, input_ids: torch.Tensor, context: torch.Tensor | None = None, find_items: bool = True
@@ -149,13 +128,11 @@ def fit_item_vectors(
     return torch.from_numpy(normalize_rows(vectors))
 
 
-def attach_item_vectors(
-    model, item_tokens: ItemTokens, vectors: torch.Tensor
-) -> ItemVectorEmbedding:
-    """Wrap ``model``'s input embedding so it adds the item vectors; returns the wrapper."""
+def attach_item_vectors(model, trie: ItemTrie, vectors: torch.Tensor) -> ItemVectorEmbedding:
+    """Wrap ``model``'s input embedding so it adds the item vectors (rows in ``trie`` order)."""
     if item_vector_embedding(model) is not None:
         raise ValueError("the model already has item vectors")
-    embedding = ItemVectorEmbedding(model.get_input_embeddings(), item_tokens, vectors)
+    embedding = ItemVectorEmbedding(model.get_input_embeddings(), trie, vectors)
     embedding.train(model.training)
     model.set_input_embeddings(embedding)
     return embedding
@@ -193,13 +170,13 @@ def save_pretrained_with_item_vectors(model, folder: Path) -> None:
         save_file(tensors, str(Path(folder) / FILE_NAME))
 
 
-def load_item_vectors(model, folder: Path, item_tokens: ItemTokens) -> ItemVectorEmbedding | None:
+def load_item_vectors(model, folder: Path, trie: ItemTrie) -> ItemVectorEmbedding | None:
     """Attach the item vectors saved in ``folder`` (if any) to a model loaded from it."""
     path = Path(folder) / FILE_NAME
     if not path.exists():
         return None
     tensors = load_file(str(path))
-    embedding = attach_item_vectors(model, item_tokens, tensors["vectors"])
+    embedding = attach_item_vectors(model, trie, tensors["vectors"])
     with torch.no_grad():
         embedding.projection.weight.copy_(tensors["projection"])
     return embedding

@@ -36,7 +36,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, insert, select, update
 
-from genrec.offline.generative import GenerativeModels
+from genrec.offline.generative import GenerativeModels, PrefixTree
 from genrec.offline.item_vectors import load_item_vectors, save_pretrained_with_item_vectors
 from genrec.offline.models import pick_device
 from genrec.offline.prompts import ItemTokens
@@ -209,11 +209,12 @@ def load_model_folder(
     layout = TokenLayout.from_json(json.dumps(manifest["layout"]))
     codes = load_file(str(folder / "semantic_ids.safetensors"))["codes"]
     item_tokens = ItemTokens(manifest["item_ids"], codes, layout)
+    tree = PrefixTree(item_tokens, device)  # shared by every model that has item vectors
 
     def load(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         model = model.to(device).eval()
-        load_item_vectors(model, path, item_tokens)
+        load_item_vectors(model, path, tree)
         return model
 
     drafts = {variant: load(folder / "drafts" / variant) for variant in manifest["drafts"]}

@@ -288,12 +288,12 @@ def train_target(
     device = pick_device()
     model = (model or build_target(preset, item_tokens.layout)).to(device)
     sequences = training_sequences(split, item_tokens, preset.fit_on_valid)
+    tree = PrefixTree(item_tokens, device)
     if preset.item_vector_dim > 0 and item_vector_embedding(model) is None:
         vectors = fit_item_vectors(sequences, item_tokens, preset.item_vector_dim)
-        attach_item_vectors(model, item_tokens, vectors)
+        attach_item_vectors(model, tree, vectors)
     valid = [c for c in split.valid.values() if c.target in item_tokens]
     valid = valid[: valid_limit or preset.eval_users]
-    tree = PrefixTree(item_tokens, device)
     loss_fn = LevelLoss(item_tokens, device, preset.label_smoothing)
     steps_per_epoch = math.ceil(
         len(epoch_windows(sequences, history_items, rng)) / preset.batch_size

@@ -24,23 +24,15 @@ from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
 from genrec.online.speculative import speculative_beam_search
 
 
-def catalog(case: BenchModels) -> ItemTokens:
-    layout = case.layout
-    starts = torch.tensor([layout.level_start(level) for level in range(layout.depth)])
-    codes = (case.trie.item_tokens.cpu() - starts).numpy()
-    return ItemTokens([f"i{row}" for row in range(len(codes))], codes, layout)
-
-
 @pytest.fixture(scope="module")
 def case() -> BenchModels:
     """The tiny random bench models, each with random item vectors, projected strongly."""
     torch.set_num_threads(2)
     case = load_models("tiny")
-    items = catalog(case)
     generator = torch.Generator().manual_seed(5)
-    vectors = torch.randn(len(items), 6, generator=generator)
+    vectors = torch.randn(case.trie.n_items, 6, generator=generator)
     for model in (case.target, case.draft):
-        embedding = attach_item_vectors(model, items, vectors)
+        embedding = attach_item_vectors(model, case.trie, vectors)
         with torch.no_grad():
             embedding.projection.weight.normal_(0.0, 1.0, generator=generator)
         model.eval()
@@ -49,9 +41,8 @@ def case() -> BenchModels:
 
 def test_the_vector_goes_to_the_last_code_of_each_complete_item(case: BenchModels):
     embedding = item_vector_embedding(case.target)
-    items = catalog(case)
-    bos = case.layout.bos_token_id
-    prompt = [bos, *items.tokens_of("i3"), *items.tokens_of("i7")]
+    item_tokens = case.trie.item_tokens.tolist()
+    prompt = [case.layout.bos_token_id, *item_tokens[3], *item_tokens[7]]
     rows = embedding.item_rows(torch.tensor([prompt]))[0].tolist()
     depth = case.layout.depth
     assert rows == [-1] * depth + [3] + [-1] * (depth - 1) + [7]
@@ -121,11 +112,11 @@ def test_saved_target_is_a_plain_checkpoint_and_reloads_with_its_vectors(case, t
     prompt = torch.tensor([case.eval_users[0].prompt])
     with plain_input_embeddings(case.target):
         torch.testing.assert_close(plain(prompt).logits, case.target(prompt).logits)
-    assert load_item_vectors(plain, tmp_path, catalog(case)) is not None
+    assert load_item_vectors(plain, tmp_path, case.trie) is not None
     torch.testing.assert_close(plain(prompt).logits, case.target(prompt).logits)
     empty = tmp_path / "no-vectors"
     empty.mkdir()
-    assert load_item_vectors(plain, empty, catalog(case)) is None
+    assert load_item_vectors(plain, empty, case.trie) is None
 
 
 def test_vectors_are_fitted_on_the_given_sequences_only():
