@@ -98,6 +98,8 @@ class IngestSettings(BaseModel):
     session_timeout_ms: int = 10_000  # how soon a crashed consumer's partitions move on
     dlq_timeout_s: float = 30.0  # per attempt to get the dead letters of a batch acked
     progress_every_s: float = 5.0
+    # /healthz answers 503 once the loop has stalled, or Kafka been unreachable, this long.
+    health_stall_s: float = Field(default=120.0, gt=0)
     # Who writes batches to the store while the next one is polled: a child process
     # (its own core; the default) or a thread (always used for an in-memory SQLite
     # URL or an engine passed in).
@@ -135,6 +137,9 @@ class OnlineSettings(BaseModel):
     # How soon a crashed (kill -9) worker's partitions move to the others.
     session_timeout_ms: int = Field(default=10_000, ge=1)
     max_poll_interval_ms: int = Field(default=300_000, ge=1)  # longest time one batch may take
+    # /healthz answers 503 once the loop has stalled, or Kafka been unreachable, this long:
+    # keep it above the slowest batch (a large batch decoded on a busy CPU takes seconds).
+    health_stall_s: float = Field(default=120.0, gt=0)
     metrics_port: int | None = 9102
     metrics_host: str = "0.0.0.0"  # all interfaces, for Prometheus; 127.0.0.1 keeps it local
     seed: int = 0

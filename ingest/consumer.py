@@ -376,7 +376,7 @@ class Ingestor:
             "kafka_unreachable_s": round(self._poll.outage_s(), 1),
         }
         stuck_s = max(stalled_s, self._poll.outage_s())
-        return not self._stop.is_set() and stuck_s < HEALTHY_LOOP_S, details
+        return not self._stop.is_set() and stuck_s < self.settings.ingest.health_stall_s, details
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
@@ -389,8 +389,6 @@ class Ingestor:
         self.dead_letters.close()
 
 
-# A loop turn takes one poll (<= poll_timeout_ms) plus one batch's write: minutes means stuck.
-HEALTHY_LOOP_S = 120.0
 _EVENTS_STORED = metrics.EVENTS.labels(component="ingest", outcome="stored")
 _EVENTS_DUPLICATE = metrics.EVENTS.labels(component="ingest", outcome="duplicate")
 _EVENTS_DEAD_LETTERED = metrics.EVENTS.labels(component="ingest", outcome="dead_lettered")

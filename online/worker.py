@@ -119,7 +119,8 @@ class OnlineWorker:
             "version": bundle.describe() if bundle else None,
         }
         stuck_s = max(stalled_s, self._poll.outage_s())
-        ok = not self._stop.is_set() and stuck_s < 120.0 and self._failures < FAILING_BATCHES
+        stuck = stuck_s >= self.settings.online.health_stall_s
+        ok = not self._stop.is_set() and not stuck and self._failures < FAILING_BATCHES
         return ok, details
 
     def run(

@@ -297,6 +297,15 @@ def test_health_reports_the_serving_version() -> None:
     assert not worker.health()[0]
 
 
+def test_health_turns_red_when_the_loop_stalls_longer_than_the_setting() -> None:
+    worker, *_ = make_worker([], health_stall_s=300.0)
+    worker._last_loop -= 200  # a batch that has taken 200 s so far
+    ok, details = worker.health()
+    assert ok and details["loop_stalled_s"] >= 200
+    worker._last_loop -= 150
+    assert not worker.health()[0]
+
+
 def test_a_broker_outage_in_poll_is_ridden_out_and_shows_in_health() -> None:
     from kafka.errors import KafkaConnectionError
 
