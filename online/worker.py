@@ -61,6 +61,7 @@ class WorkerReport:
     events: int = 0
     invalid_events: int = 0
     publish_failures: int = 0
+    commit_failures: int = 0
     versions: list[str] = field(default_factory=list)
 
 
@@ -96,6 +97,7 @@ class OnlineWorker:
         self._last_progress = time.monotonic()
         self.report = WorkerReport()
         self._failures = 0  # batches in a row that could not be answered
+        self._commit_failures = 0  # answered batches in a row whose offsets did not commit
         self.consumer: Any = None
         self.producer: Any = None
 
@@ -115,12 +117,14 @@ class OnlineWorker:
             "loop_stalled_s": round(stalled_s, 1),
             "requests": self.report.requests,
             "failing_batches": self._failures,
+            "failing_commits": self._commit_failures,
             "kafka_unreachable_s": round(self._poll.outage_s(), 1),
             "version": bundle.describe() if bundle else None,
         }
         stuck_s = max(stalled_s, self._poll.outage_s())
         stuck = stuck_s >= self.settings.online.health_stall_s
-        ok = not self._stop.is_set() and not stuck and self._failures < FAILING_BATCHES
+        failing = max(self._failures, self._commit_failures) >= FAILING_BATCHES
+        ok = not self._stop.is_set() and not stuck and not failing
         return ok, details
 
     def run(
@@ -285,9 +289,15 @@ class OnlineWorker:
             self.consumer.commit(offsets)
         except Exception:
             # Published but not committed (e.g. the group rebalanced meanwhile): the new
-            # owner answers these events again; consumers dedupe on request_id.
+            # owner answers these events again; consumers dedupe on request_id. One
+            # failure is routine; several in a row (e.g. lost permissions on the group)
+            # would re-answer everything after a restart, so /healthz turns red.
             log.exception("committing offsets failed; these events may be answered twice")
             metrics.ERRORS.labels(component="online", kind="commit").inc()
+            self._commit_failures += 1
+            self.report.commit_failures += 1
+            return
+        self._commit_failures = 0
 
     def _rewind(self, polled: Sequence[_Polled]) -> None:
         """Seek back to the batch's first offsets so the next poll serves it again."""

@@ -297,6 +297,31 @@ def test_health_reports_the_serving_version() -> None:
     assert not worker.health()[0]
 
 
+def test_commits_failing_in_a_row_turn_health_red_until_one_succeeds() -> None:
+    from kafka.errors import CommitFailedError
+
+    batches = [[record(0, offset, f"e{offset}", "alice")] for offset in range(4)]
+    worker, consumer, producer, _ = make_worker(batches)
+    outcomes = iter([CommitFailedError("rebalanced")] * 3 + [None])
+    commit, answer_batch = consumer.commit, worker._commit
+    health = []
+
+    def flaky_commit(offsets):
+        if (error := next(outcomes)) is not None:
+            raise error
+        commit(offsets)
+
+    def commit_then_check(polled):
+        answer_batch(polled)
+        health.append(worker.health()[0])
+
+    consumer.commit, worker._commit = flaky_commit, commit_then_check
+    report = worker.run(exit_when_idle_s=0.3)
+    assert report.requests == 4 and len(producer.sent) == 4  # answered, once each
+    assert health == [True, True, False, True]  # red from the third failure in a row
+    assert report.commit_failures == 3 and consumer.commits == [{TopicPartition(TOPIC, 0): 4}]
+
+
 def test_health_turns_red_when_the_loop_stalls_longer_than_the_setting() -> None:
     worker, *_ = make_worker([], health_stall_s=300.0)
     worker._last_loop -= 200  # a batch that has taken 200 s so far
