@@ -165,9 +165,18 @@ class LocalDirKVStore:
             row = connection.execute(query).mappings().first()
         return _entry(row) if row else None
 
-    def entries(self, kv_version: int) -> dict[str, PrefixKVEntry]:
-        """Every user's entry of one version (the refresh compares them with the next run)."""
+    def entries(
+        self, kv_version: int, user_range: tuple[str, str] | None = None
+    ) -> dict[str, PrefixKVEntry]:
+        """Users' entries of one version (the refresh compares them with the next run).
+
+        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order).
+        """
         query = select(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+        if user_range is not None:
+            first, last = user_range
+            user_id = prefix_kv_index.c.user_id
+            query = query.where(user_id >= first, user_id <= last)
         with self.engine.connect() as connection:
             return {row["user_id"]: _entry(row) for row in connection.execute(query).mappings()}
 

@@ -249,6 +249,7 @@ class RefreshSettings(BaseModel):
     kv_batch_size: int = 16
     reuse_unchanged_kv: bool = True  # same model and same prompt tokens: link the old file
     active_days: float | None = None  # users with an event this recent (None: every user)
+    kv_users_per_read: int = Field(default=10_000, ge=1)  # users read from the store at a time
     keep_versions: int = 2  # KV versions kept after activation: the active one + previous
     # Cross-process run lock.
     lock_lease_s: float = 120.0

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -286,12 +286,28 @@ class _Run:
             )
 
     def _precompute_kv(self, models, kv_version: int, cutoff_row: int, previous) -> None:
-        histories = _active_histories(self.engine, cutoff_row, self.settings.refresh.active_days)
-        model_version = str(models.version)
-        old = {}
+        config = self.settings.refresh
+        reuse_from = None
         if previous and previous.kv_version is not None and hasattr(self.store, "reuse_many"):
-            if self.settings.refresh.reuse_unchanged_kv:
-                old = self.store.entries(previous.kv_version)
+            reuse_from = previous.kv_version if config.reuse_unchanged_kv else None
+        totals = {"users": 0, "computed": 0, "reused": 0}
+        # A page of users at a time: memory stays bounded however many users there are.
+        pages = _active_histories(
+            self.engine, cutoff_row, config.active_days, config.kv_users_per_read
+        )
+        for histories in pages:
+            self._check_cancel()
+            users = (next(iter(histories)), next(reversed(histories)))  # in database order
+            old = self.store.entries(reuse_from, users) if reuse_from is not None else {}
+            computed, reused = self._precompute_page(models, kv_version, histories, old)
+            totals["users"] += len(histories)
+            totals["computed"] += computed
+            totals["reused"] += reused
+        self.counts["kv"] = {**totals, **self.store.sizes(kv_version)}
+
+    def _precompute_page(self, models, kv_version: int, histories, old) -> tuple[int, int]:
+        """Reuse or compute the prefix KV of one page of users; (computed, reused)."""
+        model_version = str(models.version)
         todo: list[tuple[PrefixKVEntry, list[int]]] = []
         reuse: list[tuple[PrefixKVEntry, PrefixKVEntry]] = []
         for user_id, history in histories.items():
@@ -308,12 +324,7 @@ class _Run:
         if reuse:
             self.store.reuse_many(kv_version, reuse)
         self._compute_batches(models, kv_version, model_version, todo)
-        self.counts["kv"] = {
-            "users": len(histories),
-            "computed": len(todo),
-            "reused": len(reuse),
-            **self.store.sizes(kv_version),
-        }
+        return len(todo), len(reuse)
 
     def _compute_batches(self, models, kv_version, model_version, todo) -> None:
         todo = sorted(todo, key=lambda pair: len(pair[1]))  # similar lengths: less padding
@@ -398,23 +409,55 @@ def _event_cutoff_row(engine: Engine) -> int:
 
 
 def _active_histories(
-    engine: Engine, cutoff_row: int, active_days: float | None
-) -> dict[str, list[UserEvent]]:
-    """Each user's events with ``id <= cutoff_row`` in time order (ties: insertion order)."""
-    query = (
-        select(events.c.user_id, events.c.id, events.c.item_id, events.c.ts_ms, events.c.event_id)
-        .where(events.c.id <= cutoff_row)
-        .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
-    )
-    histories: dict[str, list[UserEvent]] = {}
+    engine: Engine, cutoff_row: int, active_days: float | None, users_per_page: int
+) -> Iterator[dict[str, list[UserEvent]]]:
+    """Pages of up to ``users_per_page`` users (in user-id order): each user's events with
+    ``id <= cutoff_row`` in time order (ties: insertion order).
+
+    With ``active_days``, only users with an event that recent (before the newest event).
+    """
+    below_cutoff = events.c.id <= cutoff_row
+    since = None
+    if active_days is not None:
+        with engine.connect() as connection:
+            newest = connection.execute(select(func.max(events.c.ts_ms)).where(below_cutoff))
+            newest_ts = newest.scalar()
+        if newest_ts is None:
+            return
+        since = newest_ts - int(active_days * 86_400_000)
+    after = None
+    while True:
+        users = _next_users(engine, below_cutoff, since, after, users_per_page)
+        if not users:
+            return
+        wanted = set(users)
+        query = (
+            select(
+                events.c.user_id, events.c.id, events.c.item_id, events.c.ts_ms, events.c.event_id
+            )
+            .where(below_cutoff, events.c.user_id >= users[0], events.c.user_id <= users[-1])
+            .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
+        )
+        histories: dict[str, list[UserEvent]] = {}
+        with engine.connect() as connection:
+            for user_id, row, item_id, ts_ms, event_id in connection.execute(query):
+                if user_id in wanted:  # the range may hold users who are not active
+                    histories.setdefault(user_id, []).append(
+                        UserEvent(row, item_id, ts_ms, event_id)
+                    )
+        yield histories
+        after = users[-1]
+
+
+def _next_users(engine: Engine, below_cutoff, since: int | None, after: str | None, limit: int):
+    """The next ``limit`` user ids after ``after`` (database order) with events below the cutoff."""
+    query = select(events.c.user_id).where(below_cutoff).group_by(events.c.user_id)
+    if after is not None:
+        query = query.where(events.c.user_id > after)
+    if since is not None:
+        query = query.having(func.max(events.c.ts_ms) >= since)
     with engine.connect() as connection:
-        for user_id, row, item_id, ts_ms, event_id in connection.execute(query):
-            histories.setdefault(user_id, []).append(UserEvent(row, item_id, ts_ms, event_id))
-    if active_days is not None and histories:
-        newest = max(h[-1].ts_ms for h in histories.values())
-        since = newest - int(active_days * 86_400_000)
-        histories = {u: h for u, h in histories.items() if h[-1].ts_ms >= since}
-    return histories
+        return list(connection.execute(query.order_by(events.c.user_id).limit(limit)).scalars())
 
 
 def _entry(
