@@ -36,7 +36,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, insert, select, update
 
-from genrec.offline.generative import GenerativeModels, PrefixTree
+from genrec.offline.generative import GenerativeModels
 from genrec.offline.item_vectors import load_item_vectors, save_pretrained_with_item_vectors
 from genrec.offline.models import pick_device
 from genrec.offline.prompts import ItemTokens
@@ -209,18 +209,16 @@ def load_model_folder(
     layout = TokenLayout.from_json(json.dumps(manifest["layout"]))
     codes = load_file(str(folder / "semantic_ids.safetensors"))["codes"]
     item_tokens = ItemTokens(manifest["item_ids"], codes, layout)
-    tree = PrefixTree(item_tokens, device)  # shared by every model that has item vectors
 
     def load(path: Path):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model = model.to(device).eval()
-        load_item_vectors(model, path, tree)
-        return model
+        return model.to(device).eval()
 
-    drafts = {variant: load(folder / "drafts" / variant) for variant in manifest["drafts"]}
-    return GenerativeModels(
-        target=load(folder / "target"),
-        drafts=drafts,
+    paths = {"target": folder / "target"}
+    paths.update({variant: folder / "drafts" / variant for variant in manifest["drafts"]})
+    models = GenerativeModels(
+        target=load(paths["target"]),
+        drafts={variant: load(paths[variant]) for variant in manifest["drafts"]},
         item_tokens=item_tokens,
         history_items=int(manifest["history_items"]),
         preset=manifest["preset"],
@@ -228,3 +226,6 @@ def load_model_folder(
         semantic_id_version=manifest.get("semantic_id_version"),
         device=device,
     )
+    for which, path in paths.items():  # the decoder's trie also finds the items vectors go to
+        load_item_vectors(models.model(which), path, models.tree)
+    return models
