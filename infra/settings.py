@@ -125,7 +125,12 @@ class OnlineSettings(BaseModel):
     # more time than 10 on the CPU.
     beam_width: int | None = Field(default=None, ge=1)
 
-    mode: Literal["strict", "relaxed", "target"] = "strict"
+    # "auto": the faster of the two lossless modes (strict, target), timed on this worker's
+    # own batches: on a CPU target wins, on a GPU with a large target strict does
+    # (docs/decoding.md). "relaxed" is faster still but changes the items.
+    mode: Literal["auto", "strict", "relaxed", "target"] = "auto"
+    auto_mode_batches: int = Field(default=16, ge=1)  # batches timed per mode before choosing
+    auto_mode_recheck_batches: int = Field(default=5000, ge=1)  # then time both again
     draft_beams: int = Field(default=40, ge=1)
     gamma: int = Field(default=3, ge=1)
     # Below this draft acceptance rate (over recent requests) the worker decodes target-only.

@@ -444,14 +444,16 @@ class ModelDecoder:
     only the suffix onto the cached prefix, and so does the draft onto its own
     prefix KV of the same prompt (computed on the user's first request, then kept
     with the target's in the LRU); the others from their full prompts. ``online.mode``: ``strict`` or
-    ``relaxed`` speculative beam search with the aligned draft, or ``target``.
-    An ``AcceptanceMonitor`` switches to target-only while the draft's acceptance
-    rate is below ``online.min_acceptance_rate``.
+    ``relaxed`` speculative beam search with the aligned draft, ``target``, or ``auto``
+    (the faster of the two lossless ones, strict and target, timed on live batches:
+    ``genrec.online.auto_mode``). An ``AcceptanceMonitor`` switches to target-only while
+    the draft's acceptance rate is below ``online.min_acceptance_rate``.
     """
 
     def __init__(self, models, settings: OnlineSettings) -> None:
         import torch
 
+        from genrec.online.auto_mode import AutoMode
         from genrec.online.speculative import AcceptanceMonitor
         from genrec.online.trie import ItemTrie
 
@@ -470,10 +472,20 @@ class ModelDecoder:
         # generator is a CPU one on every device.
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
+        self.auto = None
+        if settings.mode == "auto" and self.draft is not None:
+            self.auto = AutoMode(settings.auto_mode_batches, settings.auto_mode_recheck_batches)
+
+    def _next_mode(self) -> str:
+        """The mode the next batch decodes in (``auto``: as chosen so far)."""
+        if self.draft is None:
+            return "target"
+        return self.auto.next_mode() if self.auto is not None else self.settings.mode
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch:
         from genrec.online.prefix_kv import PrefixBatch
 
+        mode, started = self._next_mode(), time.perf_counter()
         items: list[list[tuple[int, float]]] = [[] for _ in requests]
         stats: list[dict[str, Any]] = [{} for _ in requests]
         with_prefix = [i for i, r in enumerate(requests) if r.prefix_kv is not None]
@@ -483,18 +495,21 @@ class ModelDecoder:
                 [requests[i].prefix_kv for i in with_prefix],
                 [requests[i].suffix_tokens for i in with_prefix],
             )
-            draft_prompts = self._draft_prompts([requests[i] for i in with_prefix])
+            draft_prompts = self._draft_prompts([requests[i] for i in with_prefix], mode)
             exclude = [requests[i].exclude for i in with_prefix]
-            result = self._search(target_batch, draft_prompts, beam_width, exclude)
-            self._collect(result, with_prefix, requests, beam_width, items, stats)
+            result = self._search(target_batch, draft_prompts, beam_width, exclude, mode)
+            self._collect(result, with_prefix, requests, beam_width, items, stats, mode)
         if without:
             prompts = [requests[i].full_prompt for i in without]
             exclude = [requests[i].exclude for i in without]
-            result = self._search(prompts, prompts, beam_width, exclude)
-            self._collect(result, without, requests, beam_width, items, stats)
+            result = self._search(prompts, prompts, beam_width, exclude, mode)
+            self._collect(result, without, requests, beam_width, items, stats, mode)
+        if self.auto is not None and requests:
+            # _collect read every result back to the host, so the device work is done
+            self.auto.record(mode, time.perf_counter() - started, len(requests))
         return GenerativeBatch(items, stats)
 
-    def _draft_prompts(self, requests: Sequence[GenerativeRequest]):
+    def _draft_prompts(self, requests: Sequence[GenerativeRequest], mode: str):
         """The draft's view of prefix-KV requests: its own prefix KV of the same cached prompt.
 
         The draft must read exactly the target's tokens (cached prompt + suffix; both
@@ -505,7 +520,7 @@ class ModelDecoder:
         from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
 
         suffixes = [list(r.suffix_tokens) for r in requests]
-        if self.draft is None or not self.monitor.use_speculative():
+        if mode == "target" or not self.monitor.use_speculative():
             return [r.prefix_kv.prompt_ids + s for r, s in zip(requests, suffixes, strict=True)]
         key = f"draft:{self.draft_name}"
         missing = list({id(r.prefix_kv): r.prefix_kv for r in requests
@@ -517,9 +532,9 @@ class ModelDecoder:
                 prefix_kv.companions[key] = draft_kv
         return PrefixBatch([r.prefix_kv.companions[key] for r in requests], suffixes)
 
-    def _search(self, target_prompts, draft_prompts, beam_width: int, exclude):
+    def _search(self, target_prompts, draft_prompts, beam_width: int, exclude, mode: str):
         """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
-        if self.draft is None:
+        if mode == "target":
             from genrec.online.beam_search import beam_search
 
             return beam_search(
@@ -533,27 +548,30 @@ class ModelDecoder:
         return speculative_beam_search(
             self.models.target, self.draft, target_prompts, self.trie, self.layout,
             k=beam_width, n_draft=max(self.settings.draft_beams, beam_width),
-            gamma=self.settings.gamma, mode=self.settings.mode, generator=self.generator,
+            gamma=self.settings.gamma, mode=mode, generator=self.generator,
             monitor=self.monitor, exclude=exclude,
         )  # fmt: skip
 
-    def _collect(self, result, rows, requests, beam_width, items, stats) -> None:
+    def _collect(self, result, rows, requests, beam_width, items, stats, mode: str) -> None:
         for position, i in enumerate(rows):
             seen = set(requests[i].exclude)
             found = zip(
                 result.item_index[position].tolist(), result.scores[position].tolist(), strict=True
             )
             items[i] = [(row, score) for row, score in found if row >= 0 and row not in seen]
-            stats[i] = self._stats(result.stats[position] if result.stats else None, beam_width)
+            decode_stats = result.stats[position] if result.stats else None
+            stats[i] = self._stats(decode_stats, beam_width, mode)
 
-    def _stats(self, decode_stats, beam_width: int) -> dict[str, Any]:
+    def _stats(self, decode_stats, beam_width: int, mode: str) -> dict[str, Any]:
         speculative = bool(getattr(decode_stats, "speculative", False))
         stats: dict[str, Any] = {
-            "mode": self.settings.mode if speculative else "target",
+            "mode": mode if speculative else "target",
             "beam_width": beam_width,
         }
-        if self.settings.mode != "target" and not speculative:
+        if mode != "target" and not speculative:
             stats["fallback"] = "target_only"
+        if self.auto is not None:
+            stats["auto_mode"] = "settled" if self.auto.settled else "timing"
         if decode_stats is not None:
             for key in ("target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps"):
                 stats[key] = int(getattr(decode_stats, key, 0))
@@ -570,5 +588,6 @@ def _pick_draft(drafts: Mapping[str, Any], settings: OnlineSettings) -> str | No
         if settings.draft not in drafts:
             raise ValueError(f"draft {settings.draft!r} not in this version ({sorted(drafts)})")
         return settings.draft
-    preferred = ("atspeed_s", "sft") if settings.mode == "strict" else ("atspeed_r", "sft")
+    relaxed = settings.mode == "relaxed"  # strict and auto serve the strict draft
+    preferred = ("atspeed_r", "sft") if relaxed else ("atspeed_s", "sft")
     return next(n for n in (*preferred, *sorted(drafts)) if n in drafts)

@@ -123,3 +123,30 @@ def test_draft_prefix_kv_is_computed_once_per_cached_prefix(models, monkeypatch)
     assert [[r for r, _ in row] for row in second.items] == [
         [r for r, _ in row] for row in expected.items
     ]
+
+
+def test_auto_mode_serves_the_same_items_and_settles_on_one_mode(models) -> None:
+    """auto alternates strict and target (both lossless: the same items) and then keeps one."""
+    histories = [[f"i{n}" for n in range(s, s + 6)] for s in (0, 20, 50)]
+    expected = ModelDecoder(models, OnlineSettings(mode="target")).decode(
+        requests(models, histories, cached=True), beam_width=8
+    )
+    settings = OnlineSettings(mode="auto", auto_mode_batches=2, draft_beams=16)
+    decoder = ModelDecoder(models, settings)
+    modes = []
+    for _ in range(6):
+        got = decoder.decode(requests(models, histories, cached=True), beam_width=8)
+        assert [[r for r, _ in row] for row in got.items] == [
+            [r for r, _ in row] for row in expected.items
+        ]
+        modes.append((got.stats[0]["mode"], got.stats[0]["auto_mode"]))
+    assert [mode for mode, _ in modes[:4]] == ["strict", "target", "strict", "target"]
+    assert {state for _, state in modes[:4]} == {"timing"}
+    assert decoder.auto.settled and modes[4:] == [(decoder.auto.choice, "settled")] * 2
+
+
+def test_auto_mode_without_a_draft_is_target_only(models) -> None:
+    no_drafts = GenerativeModels(models.target, {}, models.item_tokens, 50, preset="tiny")
+    decoder = ModelDecoder(no_drafts, OnlineSettings(mode="auto"))
+    got = decoder.decode(requests(models, [["i1", "i2", "i3"]], cached=False), beam_width=4)
+    assert decoder.auto is None and got.stats[0]["mode"] == "target"
