@@ -476,6 +476,18 @@ class ModelDecoder:
         if settings.mode == "auto" and self.draft is not None:
             self.auto = AutoMode(settings.auto_mode_batches, settings.auto_mode_recheck_batches)
 
+    def describe(self) -> dict[str, Any]:
+        """For /healthz: the configured mode, the draft, and what ``auto`` is serving."""
+        described: dict[str, Any] = {"mode": self.settings.mode, "draft": self.draft_name}
+        if self.draft is None:
+            described["serving"] = "target"
+        elif self.auto is None:
+            described["serving"] = self.settings.mode
+        else:
+            described["serving"] = self.auto.choice or "timing"
+            described["ms_per_request"] = self.auto.summary()
+        return described
+
     def _next_mode(self) -> str:
         """The mode the next batch decodes in (``auto``: as chosen so far)."""
         if self.draft is None:

@@ -52,6 +52,7 @@ class ServingBundle:
             "kv_version": self.kv_version,
             "branches": sorted(self.branches),
             "generative": self.decoder is not None,
+            "decoding": self.decoder.describe() if hasattr(self.decoder, "describe") else None,
         }
 
 

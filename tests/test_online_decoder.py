@@ -143,6 +143,10 @@ def test_auto_mode_serves_the_same_items_and_settles_on_one_mode(models) -> None
     assert [mode for mode, _ in modes[:4]] == ["strict", "target", "strict", "target"]
     assert {state for _, state in modes[:4]} == {"timing"}
     assert decoder.auto.settled and modes[4:] == [(decoder.auto.choice, "settled")] * 2
+    described = decoder.describe()
+    assert described["mode"] == "auto" and described["draft"] == "atspeed_s"
+    assert described["serving"] == decoder.auto.choice
+    assert set(described["ms_per_request"]) == {"strict", "target"}
 
 
 def test_auto_mode_without_a_draft_is_target_only(models) -> None:
@@ -150,3 +154,4 @@ def test_auto_mode_without_a_draft_is_target_only(models) -> None:
     decoder = ModelDecoder(no_drafts, OnlineSettings(mode="auto"))
     got = decoder.decode(requests(models, [["i1", "i2", "i3"]], cached=False), beam_width=4)
     assert decoder.auto is None and got.stats[0]["mode"] == "target"
+    assert decoder.describe() == {"mode": "auto", "draft": None, "serving": "target"}

@@ -313,6 +313,7 @@ def test_metrics_and_healthz_answer(served) -> None:
     health = json.loads(body)
     assert status == 200 and health["ok"] and health["role"] == "online"
     assert health["version"]["generative"] and health["version"]["kv_version"] is not None
+    assert health["version"]["decoding"]["serving"] in ("timing", "strict", "target")
     status, body = worker.get("/metrics")
     text = body.decode()
     assert status == 200
