@@ -78,12 +78,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from genrec.infra.logs import configure_logging
-    from genrec.infra.settings import get_settings
+    from genrec.infra.settings import get_settings, unknown_variables
 
     try:
         settings = get_settings()
     except ValidationError as exc:
         print(f"genrec: invalid settings\n{settings_problems(exc)}", file=sys.stderr)
+        return 2
+    unknown = unknown_variables()
+    if unknown:
+        print(f"genrec: unknown settings\n{unknown_problems(unknown)}", file=sys.stderr)
         return 2
     configure_logging(args.log_level or settings.log_level, settings.log_format)
     try:
@@ -102,6 +106,15 @@ def settings_problems(exc) -> str:
     for error in exc.errors(include_url=False):
         where = "__".join(str(part) for part in error["loc"]).upper()
         lines.append(f"  GENREC_{where}: {error['msg']}")
+    return "\n".join(lines)
+
+
+def unknown_problems(unknown: dict[str, str | None]) -> str:
+    """One line per ``GENREC_`` variable that no setting reads, with the closest name."""
+    lines = []
+    for name, close in unknown.items():
+        hint = f" (did you mean {close}?)" if close else ""
+        lines.append(f"  {name}: not a genrec setting{hint}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -383,6 +384,42 @@ def _config_file() -> Path | None:
     home = os.environ.get("GENREC_HOME")
     candidate = (Path(home).expanduser() if home else _default_home()) / "genrec.toml"
     return candidate if candidate.exists() else None
+
+
+# GENREC_ variables that are not settings: read by one place each, outside ``Settings``.
+PROCESS_VARIABLES = frozenset({
+    "GENREC_CONFIG",  # the TOML file above
+    "GENREC_MODEL_CACHE",  # offline/smollm2.py: converted pretrained checkpoints
+    "GENREC_PG_BINDIR",  # infra/postgres.py: PostgreSQL server binaries for tests and benches
+    "GENREC_TEST_SKIP_POSTGRES",  # tests/conftest.py
+})  # fmt: skip
+
+
+def setting_names(model: type[BaseModel] | None = None, prefix: str = "GENREC_") -> set[str]:
+    """Every ``GENREC_`` variable that sets a field, nested sections joined with ``__``."""
+    names = set()
+    for name, field in (model or Settings).model_fields.items():
+        variable = f"{prefix}{name.upper()}"
+        names.add(variable)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            names |= setting_names(field.annotation, f"{variable}__")
+    return names
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """``GENREC_`` variables in the environment that no setting reads, each with the
+    closest setting name (None if none is close): pydantic-settings ignores them, so a
+    typo (``GENREC_ONLINE__MODEE``) would otherwise pass in silence."""
+    import difflib
+
+    environ = os.environ if environ is None else environ
+    known = setting_names() | PROCESS_VARIABLES
+    unknown = sorted(
+        n for n in environ if n.upper().startswith("GENREC_") and n.upper() not in known
+    )
+    return {
+        n: next(iter(difflib.get_close_matches(n.upper(), known, 1, 0.85)), None) for n in unknown
+    }
 
 
 @lru_cache(maxsize=1)

@@ -53,3 +53,25 @@ def test_bad_settings_are_a_clear_error_that_never_echoes_values(monkeypatch, ca
     err = capsys.readouterr().err
     assert "GENREC_LOG_FORMAT: Input should be 'text' or 'json'" in err
     assert "GENREC_INGEST__BATCH_SIZE" in err and "s3cret" not in err
+
+
+def test_unknown_genrec_variables_stop_the_command_with_the_closest_name(monkeypatch, capsys):
+    """pydantic-settings ignores names it does not know: a typo would pass in silence."""
+    from genrec.infra.cli import main
+    from genrec.infra.settings import get_settings, setting_names, unknown_variables
+
+    get_settings.cache_clear()
+    monkeypatch.setenv("GENREC_ONLINE__MODEE", "target")
+    monkeypatch.setenv("GENREC_KAFKA__SASL_PLAIN_PASWORD", "s3cret")
+    monkeypatch.setenv("GENREC_SOMETHING_ELSE", "1")
+    monkeypatch.setenv("GENREC_TEST_SKIP_POSTGRES", "1")  # read outside Settings: allowed
+    assert main(["kafka", "status"]) == 2
+    err = capsys.readouterr().err
+    assert "GENREC_ONLINE__MODEE: not a genrec setting (did you mean GENREC_ONLINE__MODE?)" in err
+    assert "did you mean GENREC_KAFKA__SASL_PLAIN_PASSWORD?" in err and "s3cret" not in err
+    assert "GENREC_SOMETHING_ELSE: not a genrec setting\n" in err + "\n"
+    assert "GENREC_TEST_SKIP_POSTGRES" not in err
+    assert unknown_variables({"GENREC_ONLINE__MODE": "auto", "GENREC_KAFKA": "{}"}) == {}
+    names = setting_names()
+    assert {"GENREC_HOME", "GENREC_ONLINE__AUTO_MODE_BATCHES", "GENREC_KAFKA__BOOTSTRAP"} <= names
+    get_settings.cache_clear()
