@@ -137,7 +137,9 @@ class OnlineSettings(BaseModel):
     # Below this draft acceptance rate (over recent requests) the worker decodes target-only.
     min_acceptance_rate: float = Field(default=0.2, ge=0.0, le=1.0)
     branches: tuple[str, ...] = ("popularity", "itemcf", "ann")  # merged per ``recall.merge_*``
-    draft: str | None = None  # draft variant; default: atspeed_s (strict) / atspeed_r (relaxed)
+    # Draft variant; default: the version's best measured for strict (GenerativeModels.drafts_for),
+    # atspeed_r for relaxed.
+    draft: str | None = None
     version_poll_s: float = Field(default=5.0, gt=0)
     publish_timeout_s: float = Field(default=30.0, gt=0)
     # How soon a crashed (kill -9) worker's partitions move to the others.

@@ -225,6 +225,7 @@ def load_model_folder(
         version=version,
         semantic_id_version=manifest.get("semantic_id_version"),
         device=device,
+        metrics=manifest.get("metrics") or {},
     )
     for which, path in paths.items():  # the decoder's trie also finds the items vectors go to
         load_item_vectors(models.model(which), path, models.tree)

@@ -13,8 +13,8 @@ Models come from ``load_models(preset)``: ``random`` builds a random target
 first distils the random draft towards the target for ``--align-steps``, cached
 under var/bench/); ``tiny`` is the tests' float64 pair. ``small`` and
 ``smollm2-135m`` load the ACTIVE trained model version (``genrec offline
-train --preset ...``): its target, AtSpeed-S draft (strict) and AtSpeed-R draft
-(relaxed), its trie, and held-out test users of the store's leave-one-out split
+train --preset ...``): its target, the drafts the online worker would pick for strict
+and relaxed (``GenerativeModels.drafts_for``), its trie, and held-out test users of the store's leave-one-out split
 (their seen items excluded, as in serving and ``genrec eval``), so HR@K is real.
 Times are process CPU time by default on a CPU (``--clock``): on a machine
 shared with other jobs, wall time mostly measures the neighbours. On a GPU the
@@ -115,8 +115,9 @@ def load_trained_models(
 ) -> BenchModels:
     """The active model version of ``settings`` (default: ``get_settings()``) and test users.
 
-    Strict decodes with the AtSpeed-S draft, relaxed with AtSpeed-R (SFT when a
-    variant is missing). Users: ``n_users`` test cases of the store's split
+    Strict and relaxed decode with the drafts the online worker would pick
+    (``GenerativeModels.drafts_for``: for strict the one with the highest measured
+    strict acceptance, for relaxed AtSpeed-R). Users: ``n_users`` test cases of the store's split
     (seeded sample), prompt = the model's history window, ``held_out`` = the
     test item, ``seen`` = the history's items.
     """
@@ -138,12 +139,7 @@ def load_trained_models(
             f"the active model version {models.version} is preset {models.preset!r}, not "
             f"{preset!r}: run `genrec offline train --preset {preset}` (or pick that home)"
         )
-    strict_name = next(
-        n for n in ("atspeed_s", "sft", *sorted(models.drafts)) if n in models.drafts
-    )
-    relaxed_name = next(
-        n for n in ("atspeed_r", "sft", *sorted(models.drafts)) if n in models.drafts
-    )
+    strict_name, relaxed_name = models.drafts_for("strict")[0], models.drafts_for("relaxed")[0]
     index = models.item_tokens.index
     cases = sorted(
         (c for c in load_split(engine).test.values() if c.target in index), key=lambda c: c.user_id

@@ -466,8 +466,9 @@ class ModelDecoder:
         if not isinstance(self.trie, ItemTrie):
             table = torch.as_tensor(self.item_tokens.table, device=self.device)
             self.trie = ItemTrie(table, self.layout)
-        self.draft_name = _pick_draft(models.drafts, settings)
+        self.draft_name = _pick_draft(models, settings)
         self.draft = None if self.draft_name is None else models.drafts[self.draft_name]
+        log.info("decoding: online.mode %s, draft %s", settings.mode, self.draft_name)
         # Relaxed acceptance samples on the CPU (a few hundred draws per step), so the
         # generator is a CPU one on every device.
         self.generator = torch.Generator().manual_seed(settings.seed)
@@ -592,14 +593,14 @@ class ModelDecoder:
         return stats
 
 
-def _pick_draft(drafts: Mapping[str, Any], settings: OnlineSettings) -> str | None:
-    """The name of the draft variant to decode with (None: target only)."""
+def _pick_draft(models, settings: OnlineSettings) -> str | None:
+    """The name of the draft variant to decode with (None: target only): ``online.draft``,
+    else the version's best for the mode (``GenerativeModels.drafts_for``; auto is strict)."""
+    drafts: Mapping[str, Any] = models.drafts
     if settings.mode == "target" or not drafts:
         return None
     if settings.draft is not None:
         if settings.draft not in drafts:
             raise ValueError(f"draft {settings.draft!r} not in this version ({sorted(drafts)})")
         return settings.draft
-    relaxed = settings.mode == "relaxed"  # strict and auto serve the strict draft
-    preferred = ("atspeed_r", "sft") if relaxed else ("atspeed_s", "sft")
-    return next(n for n in (*preferred, *sorted(drafts)) if n in drafts)
+    return models.drafts_for("relaxed" if settings.mode == "relaxed" else "strict")[0]

@@ -155,3 +155,23 @@ def test_auto_mode_without_a_draft_is_target_only(models) -> None:
     got = decoder.decode(requests(models, [["i1", "i2", "i3"]], cached=False), beam_width=4)
     assert decoder.auto is None and got.stats[0]["mode"] == "target"
     assert decoder.describe() == {"mode": "auto", "draft": None, "serving": "target"}
+
+
+def test_the_strict_draft_is_the_one_training_measured_best(models) -> None:
+    """Strict gains from acceptance alone: rank the drafts by the version's measured figure."""
+    drafts = {name: models.drafts["atspeed_s"] for name in ("sft", "atspeed_s", "atspeed_r")}
+    measured = {"sft": [0.83, 0.90, 1.0], "atspeed_s": [0.79, 0.83, 1.0], "atspeed_r": [0.82, 0.85, 1.0]}
+    metrics = {"agreement_valid@10": {
+        name: {"topk_overlap": 0.4, "strict_acceptance_per_step": steps}
+        for name, steps in measured.items()
+    }}  # fmt: skip
+    version = GenerativeModels(models.target, drafts, models.item_tokens, 50, preset="tiny",
+                               metrics=metrics)  # fmt: skip
+    assert version.drafts_for("strict") == ["sft", "atspeed_r", "atspeed_s"]
+    assert version.drafts_for("relaxed")[0] == "atspeed_r"
+    for mode, expected in (("strict", "sft"), ("auto", "sft"), ("relaxed", "atspeed_r")):
+        assert ModelDecoder(version, OnlineSettings(mode=mode)).draft_name == expected
+    chosen = ModelDecoder(version, OnlineSettings(mode="strict", draft="atspeed_s"))
+    assert chosen.draft_name == "atspeed_s"  # online.draft wins
+    unmeasured = GenerativeModels(models.target, drafts, models.item_tokens, 50, preset="tiny")
+    assert unmeasured.drafts_for("strict")[0] == "atspeed_s"

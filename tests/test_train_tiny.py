@@ -98,6 +98,9 @@ def test_tiny_preset_trains_end_to_end(store, semantic_ids, tmp_path):
 
     models = load_active_models(settings, store)
     assert models.version == 1 and sorted(models.drafts) == ["atspeed_r", "atspeed_s", "sft"]
+    # the reloaded version carries its training metrics: the worker ranks its drafts by them
+    assert models.metrics["agreement_valid@10"] == metrics["agreement_valid@10"]
+    assert sorted(models.drafts_for("strict")) == ["atspeed_r", "atspeed_s", "sft"]
     cases = list(load_split(store).test.values())
     for which in ("target", "sft", "atspeed_s", "atspeed_r"):
         for case, recs in zip(
