@@ -314,10 +314,16 @@ def test_metrics_and_healthz_answer(served) -> None:
     assert status == 200 and health["ok"] and health["role"] == "online"
     assert health["version"]["generative"] and health["version"]["kv_version"] is not None
     assert health["version"]["decoding"]["serving"] in ("timing", "strict", "target")
+    # The worker counts a batch's requests after its commit, which can land a moment after
+    # the answer is readable: wait for the count rather than race it.
+    wait_for(
+        lambda: metric_value(worker.get("/metrics")[1].decode(), "genrec_requests_total",
+                             path="prefix_kv") >= 1,
+        30, "the request counted in /metrics",
+    )  # fmt: skip
     status, body = worker.get("/metrics")
     text = body.decode()
     assert status == 200
-    assert metric_value(text, "genrec_requests_total", path="prefix_kv") >= 1
     assert metric_value(text, "genrec_events_total", component="online", outcome="consumed") >= 1
     assert metric_value(text, "genrec_request_latency_seconds_count") >= 1
     assert metric_value(text, "genrec_prefix_kv_lookups_total") >= 1
