@@ -82,6 +82,12 @@ REQUESTS = Counter(
     "Recommendation requests published, by how the generative list was produced.",
     ["path"],  # prefix_kv|full_prompt|no_generative
 )
+DECODE_BATCHES = Counter(
+    "genrec_decode_batches_total",
+    "Micro-batches decoded, by decoding mode (online.mode auto alternates strict and target "
+    "while it times them, then serves the faster).",
+    ["mode"],  # strict|relaxed|target
+)
 TARGET_CALLS = Histogram(
     "genrec_target_calls_per_request",
     "Target-model forward calls per request (a batch's calls are shared by its requests).",

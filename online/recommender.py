@@ -520,6 +520,7 @@ class ModelDecoder:
         if self.auto is not None and requests:
             # _collect read every result back to the host, so the device work is done
             self.auto.record(mode, time.perf_counter() - started, len(requests))
+        metrics.DECODE_BATCHES.labels(mode=mode).inc()
         return GenerativeBatch(items, stats)
 
     def _draft_prompts(self, requests: Sequence[GenerativeRequest], mode: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from genrec.infra.settings import OnlineSettings
 from genrec.offline.generative import GenerativeModels
@@ -133,6 +134,8 @@ def test_auto_mode_serves_the_same_items_and_settles_on_one_mode(models) -> None
     )
     settings = OnlineSettings(mode="auto", auto_mode_batches=2, draft_beams=16)
     decoder = ModelDecoder(models, settings)
+    counted = {m: REGISTRY.get_sample_value("genrec_decode_batches_total", {"mode": m}) or 0.0
+               for m in ("strict", "target")}  # fmt: skip
     modes = []
     for _ in range(6):
         got = decoder.decode(requests(models, histories, cached=True), beam_width=8)
@@ -143,6 +146,9 @@ def test_auto_mode_serves_the_same_items_and_settles_on_one_mode(models) -> None
     assert [mode for mode, _ in modes[:4]] == ["strict", "target", "strict", "target"]
     assert {state for _, state in modes[:4]} == {"timing"}
     assert decoder.auto.settled and modes[4:] == [(decoder.auto.choice, "settled")] * 2
+    for mode in ("strict", "target"):  # /metrics shows what each batch was decoded with
+        now = REGISTRY.get_sample_value("genrec_decode_batches_total", {"mode": mode})
+        assert now - counted[mode] == 2 + 2 * (decoder.auto.choice == mode)
     described = decoder.describe()
     assert described["mode"] == "auto" and described["draft"] == "atspeed_s"
     assert described["serving"] == decoder.auto.choice
@@ -160,7 +166,11 @@ def test_auto_mode_without_a_draft_is_target_only(models) -> None:
 def test_the_strict_draft_is_the_one_training_measured_best(models) -> None:
     """Strict gains from acceptance alone: rank the drafts by the version's measured figure."""
     drafts = {name: models.drafts["atspeed_s"] for name in ("sft", "atspeed_s", "atspeed_r")}
-    measured = {"sft": [0.83, 0.90, 1.0], "atspeed_s": [0.79, 0.83, 1.0], "atspeed_r": [0.82, 0.85, 1.0]}
+    measured = {
+        "sft": [0.83, 0.90, 1.0],
+        "atspeed_s": [0.79, 0.83, 1.0],
+        "atspeed_r": [0.82, 0.85, 1.0],
+    }
     metrics = {"agreement_valid@10": {
         name: {"topk_overlap": 0.4, "strict_acceptance_per_step": steps}
         for name, steps in measured.items()
