@@ -35,9 +35,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "replay",
         help="stream a recorded interaction log into the events topic",
         description="Produce events in stable timestamp order with deterministic ids, and "
-        "load the item catalog into the store.",
+        "load the item catalog into the store (--items alone: the catalog only).",
     )
-    source = replay.add_mutually_exclusive_group(required=True)
+    source = replay.add_mutually_exclusive_group()
     source.add_argument("--dataset", choices=["ml-100k"], help="a bundled dataset")
     source.add_argument(
         "--events",
@@ -106,6 +106,8 @@ def _replay(args: argparse.Namespace) -> int:
     from genrec.ingest import replay
 
     settings = get_settings()
+    if args.dataset is None and args.events is None:
+        return _load_catalog(settings, args)
     if args.dataset == "ml-100k":
         frame, prefix = replay.ml100k_events(), "ml-100k"
         item_rows = None if args.no_items else replay.ml100k_items()
@@ -129,6 +131,18 @@ def _replay(args: argparse.Namespace) -> int:
         event_id_prefix=prefix,
     )
     print(f"events: {result.produced:,} produced to {settings.kafka.topic_events}")
+    return 0
+
+
+def _load_catalog(settings, args: argparse.Namespace) -> int:
+    """``genrec replay --items FILE`` without events: new and changed items for the next refresh."""
+    from genrec.infra.cli import UserFacingError
+    from genrec.ingest import replay
+
+    if args.items is None or args.no_items:
+        raise UserFacingError("give --dataset or --events to replay, or --items to load a catalog")
+    count = replay.load_items(settings, replay.item_rows(replay.read_table(args.items)))
+    print(f"items: {count:,} upserted into the store (no events replayed)")
     return 0
 
 

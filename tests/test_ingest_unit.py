@@ -450,3 +450,32 @@ def test_fast_path_is_not_the_authority_for_rejections():
     assert validate_event_fields(b"{}" + b" " * 100, max_bytes=10).reason == "too_large"
     assert validate_event_fields(b'{"user_id":"u","item_id":"i","event_type":"view","ts":1}')\
         .reason == "missing_id"  # fmt: skip
+
+
+def test_replay_items_alone_loads_the_catalog_and_produces_nothing(tmp_path, monkeypatch, capsys):
+    """A catalog update (new or changed items) without events; no Kafka is needed."""
+    from genrec.infra.cli import main
+    from genrec.infra.settings import get_settings
+
+    url = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("GENREC_HOME", str(tmp_path))
+    monkeypatch.setenv("GENREC_DATABASE_URL", url)
+    monkeypatch.setenv("GENREC_KAFKA__BOOTSTRAP", "127.0.0.1:1")  # nothing listens: never used
+    get_settings.cache_clear()
+    catalog = tmp_path / "items.csv"
+    pd.DataFrame({"item_id": ["x", "y"], "title": ["X", "Y"], "brand": ["acme", ""]}).to_csv(
+        catalog, index=False
+    )
+    try:
+        assert main(["replay", "--items", str(catalog)]) == 0
+        assert "items: 2 upserted into the store (no events replayed)" in capsys.readouterr().out
+        engine = make_engine(url)
+        with engine.connect() as connection:
+            stored = dict(connection.execute(select(items.c.item_id, items.c.title)).all())
+            assert connection.execute(select(func.count()).select_from(events)).scalar() == 0
+        engine.dispose()
+        assert stored == {"x": "X", "y": "Y"}
+        assert main(["replay"]) == 2  # nothing to replay or load: a clear error
+        assert "give --dataset or --events to replay, or --items" in capsys.readouterr().err
+    finally:
+        get_settings.cache_clear()
