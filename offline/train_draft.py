@@ -6,7 +6,7 @@ layers. Three variants are trained so they can be compared:
 - ``sft``: the target's recipe (every next-item position, ground truth).
 - ``atspeed_s`` and ``atspeed_r``: start from the SFT draft, then train on
   teacher data with ``(1 - a) * CE + a * L_align`` (``a`` =
-  ``settings.model.align_weight``, 0.7), CE on the true next item.
+  ``settings.model.align_weight``, 0.9), CE on the true next item.
 
 Teacher data (``make_teacher_data``): the target's constrained top-``K_t`` beams
 for a seeded sample of training prompts, and the target's log-probabilities at
@@ -238,7 +238,7 @@ def align_draft(
     variant: str,
     tree: PrefixTree,
     preset: ModelPreset,
-    align_weight: float = 0.7,
+    align_weight: float = 0.9,
     k: int | None = None,
     batch_size: int = 16,
     seed: int = 0,
