@@ -184,7 +184,7 @@ class ModelSettings(BaseModel):
     beam_width: int = Field(default=20, ge=1)  # evaluation beams (>= k; room for seen items)
     # a in (1-a)*CE + a*align. On the #4 store (same target, one drafts-only run each),
     # a = 0.5 / 0.7 / 0.9 / 1.0 gave AtSpeed-R top-K overlap 0.38 / 0.45 / 0.53 / 0.51 and
-    # 2.47 / 2.39 / 2.09 / 2.05 target calls per strict request (docs/evaluation.md).
+    # 2.47 / 2.39 / 2.09 / 2.05 target calls per strict request (docs/decoding.md).
     align_weight: float = Field(default=0.9, ge=0.0, le=1.0)
     teacher_prompts: int | None = Field(default=None, ge=1)  # default: the preset's
     teacher_beams: int | None = Field(default=None, ge=1)  # K_t; default: the preset's

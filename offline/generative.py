@@ -170,9 +170,9 @@ class GenerativeModels:
         Strict verification gains from acceptance alone, so for ``strict`` the drafts
         are ranked by the strict acceptance training measured for them on validation
         users (``agreement_valid@10``, mean over steps): which variant wins depends on
-        the target and the IDs (on ML-100K's store it was SFT: 0.314 accepted steps
-        vs 0.272 for either aligned draft, 2.22 target calls per request vs 2.38).
-        Without those figures: AtSpeed-S, then SFT. ``relaxed``: AtSpeed-R, then SFT.
+        the target, the IDs and ``model.align_weight`` (docs/decoding.md, "Which draft
+        speculates"). Without those figures: AtSpeed-S, then SFT. ``relaxed``:
+        AtSpeed-R, then SFT.
         """
         if mode == "relaxed":
             order = ["atspeed_r", "sft"]

@@ -14,8 +14,9 @@ first distils the random draft towards the target for ``--align-steps``, cached
 under var/bench/); ``tiny`` is the tests' float64 pair. ``small`` and
 ``smollm2-135m`` load the ACTIVE trained model version (``genrec offline
 train --preset ...``): its target, the drafts the online worker would pick for strict
-and relaxed (``GenerativeModels.drafts_for``), its trie, and held-out test users of the store's leave-one-out split
-(their seen items excluded, as in serving and ``genrec eval``), so HR@K is real.
+and relaxed (``GenerativeModels.drafts_for``), its trie, and held-out test users of the
+store's leave-one-out split (their seen items excluded, as in serving and ``genrec
+eval``), so HR@K is real.
 Times are process CPU time by default on a CPU (``--clock``): on a machine
 shared with other jobs, wall time mostly measures the neighbours. On a GPU the
 default is wall time with the device synchronized around every timed call
@@ -117,9 +118,9 @@ def load_trained_models(
 
     Strict and relaxed decode with the drafts the online worker would pick
     (``GenerativeModels.drafts_for``: for strict the one with the highest measured
-    strict acceptance, for relaxed AtSpeed-R). Users: ``n_users`` test cases of the store's split
-    (seeded sample), prompt = the model's history window, ``held_out`` = the
-    test item, ``seen`` = the history's items.
+    strict acceptance, for relaxed AtSpeed-R). Users: ``n_users`` test cases of the
+    store's split (seeded sample), prompt = the model's history window, ``held_out`` =
+    the test item, ``seen`` = the history's items.
     """
     import random
 
