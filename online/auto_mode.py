@@ -47,9 +47,9 @@ class AutoMode:
 
     batches: int = 16  # batches each mode decodes before the choice
     recheck_every: int = 5000  # settled batches before both are timed again
-    choice: str | None = None  # the settled mode; None while measuring
-    since_choice: int = 0
-    timings: dict[str, _Timing] = field(default_factory=dict)
+    choice: str | None = field(default=None, init=False)  # the settled mode; None while timing
+    since_choice: int = field(default=0, init=False)
+    timings: dict[str, _Timing] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         if self.batches < 1 or self.recheck_every < 1:
