@@ -77,6 +77,7 @@ class ModelPreset:
     fit_on_valid: bool = False
     label_smoothing: float = 0.0  # within each level's codes
     reverse_windows: float = 0.0  # share of each epoch's windows trained back to front
+    shuffle_ties: bool = False  # permute each epoch the items of events with the same time
     ema_decay: float = 0.0  # > 0: validate and keep a moving average of the target's weights
     item_vector_dim: int = 0  # > 0: co-occurrence item vectors in the target's input (item_vectors)
 
@@ -102,7 +103,8 @@ PRESETS: dict[str, ModelPreset] = {
         draft_intermediate=192, epochs=24, batch_size=32, lr=4e-3, weight_decay=0.1,
         eval_every=24, patience=1, draft_epochs=4, draft_lr=2e-3, teacher_prompts=3000,
         teacher_beams=10, time_budget_s=630.0, draft_time_budget_s=120.0, fit_on_valid=True,
-        label_smoothing=0.1, reverse_windows=0.5, ema_decay=0.995, item_vector_dim=256,
+        label_smoothing=0.1, reverse_windows=0.5, shuffle_ties=True, ema_decay=0.995,
+        item_vector_dim=256,
     ),
     "smollm2-135m": ModelPreset(
         name="smollm2-135m", pretrained="smollm2-135m", hidden=576, layers=30, heads=9,

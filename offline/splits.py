@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
 
@@ -37,6 +37,9 @@ class Split:
     train: dict[str, list[str]]
     valid: dict[str, Case]
     test: dict[str, Case]
+    # Each user's event times (ms), aligned with their whole time-ordered sequence, so any
+    # prefix of it (training items, test history) has its times too. Empty when unknown.
+    times: dict[str, list[int]] = field(default_factory=dict)
 
     def before_test(self) -> dict[str, list[str]]:
         """Every user's items before their test item (all of them for users without one):
@@ -47,8 +50,15 @@ class Split:
         }
 
 
-def leave_one_out(sequences: Mapping[str, Sequence[str]]) -> Split:
-    """Split each user's time-ordered item sequence; users with < 3 events train only."""
+def leave_one_out(
+    sequences: Mapping[str, Sequence[str]], times: Mapping[str, Sequence[int]] | None = None
+) -> Split:
+    """Split each user's time-ordered item sequence; users with < 3 events train only.
+
+    ``times`` (optional): each sequence's event times, kept with the split.
+    """
+    if times is not None and any(len(times[u]) != len(items) for u, items in sequences.items()):
+        raise ValueError("times must give one time per item of every sequence")
     train: dict[str, list[str]] = {}
     valid: dict[str, Case] = {}
     test: dict[str, Case] = {}
@@ -60,7 +70,8 @@ def leave_one_out(sequences: Mapping[str, Sequence[str]]) -> Split:
         train[user_id] = items[:-2]
         valid[user_id] = Case(user_id, items[:-2], items[-2])
         test[user_id] = Case(user_id, items[:-1], items[-1])
-    return Split(train, valid, test)
+    kept_times = {user: list(times[user]) for user in sequences} if times is not None else {}
+    return Split(train, valid, test, kept_times)
 
 
 def load_split(engine: Engine) -> Split:
@@ -68,4 +79,7 @@ def load_split(engine: Engine) -> Split:
     from genrec.offline.history import load_user_histories
 
     histories = load_user_histories(engine)
-    return leave_one_out({user: [e.item_id for e in events] for user, events in histories.items()})
+    return leave_one_out(
+        {user: [e.item_id for e in events] for user, events in histories.items()},
+        {user: [e.ts_ms for e in events] for user, events in histories.items()},
+    )

@@ -216,16 +216,17 @@ def train_sft_draft(
 ) -> TrainResult:  # fmt: skip
     """The plain SFT draft: the target's training recipe on the draft architecture.
 
-    Windows stay in time order (no ``reverse_windows``): the draft only ever has to
-    follow the target on forward prompts. It gets the same kind of co-occurrence item
-    vectors as the target (``item_vector_dim``, its own projection): with them its
-    top-K agrees more with a target that has them.
+    Windows stay in stored time order (no ``reverse_windows``, no ``shuffle_ties``): the
+    draft only ever has to follow the target on prompts in that order. It gets the same
+    kind of co-occurrence item vectors as the target (``item_vector_dim``, its own
+    projection): with them its top-K agrees more with a target that has them.
     """
     # --max-steps caps the target only: the draft keeps its own epochs.
     schedule = dataclasses.replace(preset, max_steps=None).with_overrides(
         name=f"{preset.name}-draft", epochs=preset.draft_epochs, lr=preset.draft_lr,
         eval_every=preset.draft_epochs, dropout=0.0, weight_decay=0.0,
-        time_budget_s=preset.draft_time_budget_s, reverse_windows=0.0, ema_decay=0.0,
+        time_budget_s=preset.draft_time_budget_s, reverse_windows=0.0, shuffle_ties=False,
+        ema_decay=0.0,
     )  # fmt: skip
     draft = build_draft(preset, item_tokens.layout)
     return train_target(item_tokens, split, schedule, history_items, model=draft, seed=seed,

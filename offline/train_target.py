@@ -6,7 +6,9 @@ epoch and sees up to ``H`` items of context. One causal pass over a window
 trains all its items at once; the loss is cross-entropy over the tokens of the
 level being predicted (the decoder never picks a token of another level). A
 preset's ``reverse_windows`` share of the windows is fed back to front
-(``reverse_some``); prompts at inference are always in time order.
+(``reverse_some``), and with ``shuffle_ties`` the items of events that share
+their time are permuted before cutting (``shuffle_ties``); prompts at inference
+are always in stored time order.
 Every ``eval_every`` epochs the model decodes the validation cases
 (``Split.valid``) and training stops when validation HR@10 has not improved
 ``patience`` times; the best weights are kept. With ``preset.ema_decay`` the
@@ -91,13 +93,36 @@ def reverse_some(
     return [window[::-1] if rng.random() < share else window for window in windows]
 
 
+def shuffle_ties(
+    sequences: Sequence[Sequence[str]], groups: Sequence[np.ndarray], rng: np.random.Generator
+) -> list[list[str]]:
+    """Each sequence with the items of every tie group in a random order; groups stay in place.
+
+    Augmentation: events stamped with the same time are stored in the order they were
+    written, which says nothing about the order they happened in (on ML-100K half of
+    all consecutive ratings share their second), so the model sees that order as the
+    noise it is. ``groups`` numbers each item's tie group (``tie_groups``).
+    """
+    shuffled = []
+    for items, group in zip(sequences, groups, strict=True):
+        order = np.lexsort((rng.random(len(items)), group))  # by group, then at random
+        shuffled.append([items[i] for i in order])
+    return shuffled
+
+
 def epoch_batches(
     sequences: Sequence[Sequence[str]],
     preset: ModelPreset,
     history_items: int,
     rng: np.random.Generator,
+    ties: Sequence[np.ndarray] | None = None,
 ) -> list[list[list[str]]]:
-    """One epoch's windows (``reverse_windows`` of them back to front), shuffled into batches."""
+    """One epoch's windows (``reverse_windows`` of them back to front), shuffled into batches.
+
+    With ``preset.shuffle_ties`` and ``ties``, items with the same event time are permuted first.
+    """
+    if preset.shuffle_ties and ties is not None:
+        sequences = shuffle_ties(sequences, ties, rng)
     windows = reverse_some(
         epoch_windows(sequences, history_items, rng), preset.reverse_windows, rng
     )
@@ -266,6 +291,20 @@ def training_sequences(split: Split, item_tokens: ItemTokens, with_valid: bool) 
     return [item_tokens.known(items) for items in sequences.values()]
 
 
+def tie_groups(split: Split, item_tokens: ItemTokens, with_valid: bool) -> list[np.ndarray] | None:
+    """For each of ``training_sequences``' sequences, a group number per item: consecutive
+    items with the same event time share one. ``None`` when the split has no times."""
+    if not split.times:
+        return None
+    sequences = split.before_test() if with_valid else split.train
+    groups = []
+    for user, items in sequences.items():
+        times = [t for item, t in zip(items, split.times[user], strict=False)
+                 if item in item_tokens.index]  # fmt: skip
+        groups.append(np.cumsum(np.diff(np.asarray(times, dtype=np.int64), prepend=0) != 0))
+    return groups
+
+
 def train_target(
     item_tokens: ItemTokens,
     split: Split,
@@ -288,6 +327,7 @@ def train_target(
     device = pick_device()
     model = (model or build_target(preset, item_tokens.layout)).to(device)
     sequences = training_sequences(split, item_tokens, preset.fit_on_valid)
+    ties = tie_groups(split, item_tokens, preset.fit_on_valid) if preset.shuffle_ties else None
     tree = PrefixTree(item_tokens, device)
     if preset.item_vector_dim > 0 and item_vector_embedding(model) is None:
         vectors = fit_item_vectors(sequences, item_tokens, preset.item_vector_dim)
@@ -308,7 +348,7 @@ def train_target(
     stale = 0
     bar = tqdm(total=total_steps, desc=f"target {preset.name}", disable=not progress)
     for epoch in range(1, preset.epochs + 1):
-        batches = epoch_batches(sequences, preset, history_items, rng)
+        batches = epoch_batches(sequences, preset, history_items, rng, ties)
         epoch_losses = _train_epoch(model, loss_fn, run, batches, item_tokens, bar, epoch)
         curves["train_loss"].append(float(np.mean(epoch_losses)))
         last_epoch = run.finished() or epoch == preset.epochs

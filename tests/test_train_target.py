@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from genrec.offline.models import PRESETS, build_target, item_logits, level_masks
@@ -112,6 +113,7 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
 
     def spy(item_tokens, split, schedule, *args, **kwargs):
         seen["reverse_windows"] = schedule.reverse_windows
+        seen["shuffle_ties"] = schedule.shuffle_ties
         seen["ema_decay"] = schedule.ema_decay
         seen["item_vector_dim"] = schedule.item_vector_dim
         return real(item_tokens, split, schedule, *args, **kwargs)
@@ -119,11 +121,12 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
     monkeypatch.setattr(train_draft, "train_target", spy)
     items, split = toy_items(), toy_split()
     preset = dataclasses.replace(
-        PRESETS["tiny"], reverse_windows=0.5, draft_epochs=1, ema_decay=0.9
+        PRESETS["tiny"], reverse_windows=0.5, shuffle_ties=True, draft_epochs=1, ema_decay=0.9
     )
     train_draft.train_sft_draft(items, split, preset, history_items=5, progress=False)
-    # the draft's own recipe (time order, no average), with the target's kind of input
-    assert seen == {"reverse_windows": 0.0, "ema_decay": 0.0, "item_vector_dim": 8}
+    # the draft's own recipe (stored time order, no average), with the target's kind of input
+    assert seen == {"reverse_windows": 0.0, "shuffle_ties": False, "ema_decay": 0.0,
+                    "item_vector_dim": 8}  # fmt: skip
 
 
 def test_item_vectors_are_fitted_on_the_training_sequences_only(monkeypatch):
@@ -195,3 +198,41 @@ def test_the_averaged_weights_are_validated_and_kept(monkeypatch):
     # Final fit: the last average is the model returned.
     for param, copied in zip(final.model.parameters(), seen["copied"], strict=True):
         assert torch.equal(param.detach(), copied)
+
+
+def test_shuffle_ties_permutes_only_within_same_time_groups():
+    from genrec.offline.train_target import shuffle_ties, tie_groups
+
+    items = toy_items()
+    sequence = [f"i{k}" for k in range(8)]
+    times = [10, 10, 10, 20, 30, 30, 40, 40]
+    split = leave_one_out({"u": sequence}, {"u": times})
+    assert split.times == {"u": times}
+    groups = tie_groups(split, items, with_valid=True)  # the 7 items before the test item
+    assert [g.tolist() for g in groups] == [[1, 1, 1, 2, 3, 3, 4]]
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(50):
+        (shuffled,) = shuffle_ties([sequence[:7]], groups, rng)
+        assert sorted(shuffled[:3]) == ["i0", "i1", "i2"] and shuffled[3] == "i3"
+        assert sorted(shuffled[4:6]) == ["i4", "i5"] and shuffled[6] == "i6"
+        seen.add(tuple(shuffled))
+    assert len(seen) == 3 * 2 * 1 * 2  # every order within the groups turns up
+    assert tie_groups(leave_one_out({"u": sequence}), items, with_valid=True) is None
+
+
+def test_leave_one_out_rejects_misaligned_times():
+    with pytest.raises(ValueError, match="one time per item"):
+        leave_one_out({"u": ["i1", "i2", "i3"]}, {"u": [1, 2]})
+
+
+def test_training_with_tie_shuffling_runs():
+    items = toy_items()
+    rng = np.random.default_rng(1)
+    sequences = {f"u{u}": [f"i{k}" for k in rng.choice(30, size=8, replace=False)]
+                 for u in range(6)}  # fmt: skip
+    times = {user: [k // 2 for k in range(8)] for user in sequences}
+    split = leave_one_out(sequences, times)
+    preset = dataclasses.replace(PRESETS["tiny"], epochs=1, shuffle_ties=True)
+    result = train_target(items, split, preset, history_items=5, progress=False)
+    assert result.metrics["epochs_run"] == 1
