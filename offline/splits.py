@@ -57,7 +57,9 @@ def leave_one_out(
 
     ``times`` (optional): each sequence's event times, kept with the split.
     """
-    if times is not None and any(len(times[u]) != len(items) for u, items in sequences.items()):
+    if times is not None and any(
+        len(times.get(u, ())) != len(items) for u, items in sequences.items()
+    ):
         raise ValueError("times must give one time per item of every sequence")
     train: dict[str, list[str]] = {}
     valid: dict[str, Case] = {}

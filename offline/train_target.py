@@ -7,8 +7,8 @@ trains all its items at once; the loss is cross-entropy over the tokens of the
 level being predicted (the decoder never picks a token of another level). A
 preset's ``reverse_windows`` share of the windows is fed back to front
 (``reverse_some``), and with ``shuffle_ties`` the items of events that share
-their time are permuted before cutting (``shuffle_ties``); prompts at inference
-are always in stored time order.
+their time are permuted before cutting (``tie_groups``, ``shuffle_ties``);
+prompts at inference are always in stored time order.
 Every ``eval_every`` epochs the model decodes the validation cases
 (``Split.valid``) and training stops when validation HR@10 has not improved
 ``patience`` times; the best weights are kept. With ``preset.ema_decay`` the

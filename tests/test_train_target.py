@@ -17,6 +17,8 @@ from genrec.offline.train_target import (
     WeightAverage,
     collate,
     reverse_some,
+    shuffle_ties,
+    tie_groups,
     train_target,
     training_sequences,
 )
@@ -201,8 +203,6 @@ def test_the_averaged_weights_are_validated_and_kept(monkeypatch):
 
 
 def test_shuffle_ties_permutes_only_within_same_time_groups():
-    from genrec.offline.train_target import shuffle_ties, tie_groups
-
     items = toy_items()
     sequence = [f"i{k}" for k in range(8)]
     times = [10, 10, 10, 20, 30, 30, 40, 40]
@@ -224,6 +224,8 @@ def test_shuffle_ties_permutes_only_within_same_time_groups():
 def test_leave_one_out_rejects_misaligned_times():
     with pytest.raises(ValueError, match="one time per item"):
         leave_one_out({"u": ["i1", "i2", "i3"]}, {"u": [1, 2]})
+    with pytest.raises(ValueError, match="one time per item"):
+        leave_one_out({"u": ["i1", "i2", "i3"]}, {"v": [1, 2, 3]})
 
 
 def test_training_with_tie_shuffling_runs():
