@@ -119,9 +119,10 @@ def epoch_batches(
 ) -> list[list[list[str]]]:
     """One epoch's windows (``reverse_windows`` of them back to front), shuffled into batches.
 
-    With ``preset.shuffle_ties`` and ``ties``, items with the same event time are permuted first.
+    With ``ties`` (``tie_groups``; ``train_target`` passes them when ``preset.shuffle_ties``),
+    items with the same event time are permuted first.
     """
-    if preset.shuffle_ties and ties is not None:
+    if ties is not None:
         sequences = shuffle_ties(sequences, ties, rng)
     windows = reverse_some(
         epoch_windows(sequences, history_items, rng), preset.reverse_windows, rng
@@ -287,8 +288,7 @@ def training_sequences(split: Split, item_tokens: ItemTokens, with_valid: bool) 
     The test item is never included: with it, a user's sequence is exactly the
     history of their test case.
     """
-    sequences = split.before_test() if with_valid else split.train
-    return [item_tokens.known(items) for items in sequences.values()]
+    return [item_tokens.known(items) for items in _training_items(split, with_valid).values()]
 
 
 def tie_groups(split: Split, item_tokens: ItemTokens, with_valid: bool) -> list[np.ndarray] | None:
@@ -296,13 +296,19 @@ def tie_groups(split: Split, item_tokens: ItemTokens, with_valid: bool) -> list[
     items with the same event time share one. ``None`` when the split has no times."""
     if not split.times:
         return None
-    sequences = split.before_test() if with_valid else split.train
     groups = []
-    for user, items in sequences.items():
+    for user, items in _training_items(split, with_valid).items():
+        # split.times covers the user's whole sequence (zip stops at this prefix of it);
+        # the filter keeps the items ItemTokens.known keeps, so groups align with them.
         times = [t for item, t in zip(items, split.times[user], strict=False)
                  if item in item_tokens.index]  # fmt: skip
         groups.append(np.cumsum(np.diff(np.asarray(times, dtype=np.int64), prepend=0) != 0))
     return groups
+
+
+def _training_items(split: Split, with_valid: bool) -> dict[str, list[str]]:
+    """Each user's items a target trains on: before the test item, or before validation."""
+    return split.before_test() if with_valid else split.train
 
 
 def train_target(
