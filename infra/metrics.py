@@ -156,7 +156,7 @@ def start_metrics_server(
     try:
         server = MetricsServer(port, health_fn, host)
     except OSError as exc:
-        from genrec.infra.cli import UserFacingError
+        from genrec.infra.errors import UserFacingError
 
         raise UserFacingError(
             f"cannot serve metrics on {host}:{port} ({exc}); pick another port "

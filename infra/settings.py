@@ -161,7 +161,7 @@ class OnlineSettings(BaseModel):
 
 
 class DecodeSettings(BaseModel):
-    """The decoding engine (online/beam_search.py, online/speculative.py) and ``genrec bench decode``."""
+    """The decoding engine (online/decoding/beam_search.py, online/decoding/speculative.py) and ``genrec bench decode``."""
 
     beam_width: int = Field(default=10, ge=1)  # K: items per list from the beam search
     draft_beam_width: int = Field(default=40, ge=1)  # N >= K: draft beams per step
@@ -218,7 +218,7 @@ class SemanticIdSettings(BaseModel):
     embedding_cache_dir: Path | None = None  # default: data_dir / "cache" / "embeddings"
     behavior_dim: int = 64  # truncated-SVD size of interaction embeddings (items without text)
     # Share of co-occurrence in the RQ-VAE input (full builds): items watched together
-    # share ID prefixes. 0 = text-only IDs. See genrec.offline.cooccurrence_mix.
+    # share ID prefixes. 0 = text-only IDs. See genrec.offline.semantic_ids.cooccurrence_mix.
     cooccurrence_weight: float = Field(default=0.5, ge=0.0, le=1.0)
     cooccurrence_dim: int = Field(default=64, ge=1)
     cooccurrence_window: int = Field(default=20, ge=1)  # positions apart that still co-occur
@@ -394,8 +394,8 @@ def _config_file() -> Path | None:
 # GENREC_ variables that are not settings: read by one place each, outside ``Settings``.
 PROCESS_VARIABLES = frozenset({
     "GENREC_CONFIG",  # the TOML file above
-    "GENREC_MODEL_CACHE",  # offline/smollm2.py: converted pretrained checkpoints
-    "GENREC_PG_BINDIR",  # infra/postgres.py: PostgreSQL server binaries for tests and benches
+    "GENREC_MODEL_CACHE",  # online/models/smollm2.py: converted pretrained checkpoints
+    "GENREC_PG_BINDIR",  # app/postgres.py: PostgreSQL server binaries for tests and benches
     "GENREC_TEST_SKIP_POSTGRES",  # tests/conftest.py
 })  # fmt: skip
 

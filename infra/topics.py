@@ -25,7 +25,7 @@ from typing import Any
 from kafka import KafkaAdminClient
 from kafka.errors import KafkaError, TopicAlreadyExistsError, for_code
 
-from genrec.infra.cli import UserFacingError
+from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import KafkaSettings
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Subcommands of the ingest step: ``genrec ingest``, ``genrec replay``, ``genrec bench ingest``."""
+"""Subcommands of the ingest step: ``genrec ingest`` and ``genrec replay``."""
 
 from __future__ import annotations
 
@@ -57,21 +57,6 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     replay.add_argument("--limit", type=int, default=None, help="at most this many events")
     replay.add_argument("--no-items", action="store_true", help="do not load the item catalog")
     replay.set_defaults(handler=_replay)
-
-    bench = groups.group("bench", "Benchmarks that measure side by side and print ratios")
-    bench_ingest = bench.add_parser(
-        "ingest",
-        help="ingest rate vs a bare kafka-python consumer",
-        description="Produce N events to a fresh topic; time a bare consumer and the ingest path.",
-    )
-    bench_ingest.add_argument("--events", type=int, default=200_000)
-    bench_ingest.add_argument(
-        "--stores", default="sqlite",
-        help="comma-separated: sqlite (a temporary file), postgres (a private local cluster "
-        "started for the run, fsync on; needs the PostgreSQL server binaries)",
-    )  # fmt: skip
-    bench_ingest.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    bench_ingest.set_defaults(handler=_bench)
 
 
 def _ingest(args: argparse.Namespace) -> int:
@@ -136,25 +121,11 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _load_catalog(settings, args: argparse.Namespace) -> int:
     """``genrec replay --items FILE`` without events: new and changed items for the next refresh."""
-    from genrec.infra.cli import UserFacingError
+    from genrec.infra.errors import UserFacingError
     from genrec.ingest import replay
 
     if args.items is None or args.no_items:
         raise UserFacingError("give --dataset or --events to replay, or --items to load a catalog")
     count = replay.load_items(settings, replay.item_rows(replay.read_table(args.items)))
     print(f"items: {count:,} upserted into the store (no events replayed)")
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from genrec.infra.cli import UserFacingError
-    from genrec.infra.postgres import PostgresUnavailable
-    from genrec.infra.settings import get_settings
-    from genrec.ingest.bench import run_bench
-
-    stores = tuple(s.strip() for s in args.stores.split(",") if s.strip())
-    try:
-        run_bench(get_settings(), n_events=args.events, json_path=args.json, stores=stores)
-    except (ValueError, PostgresUnavailable) as exc:
-        raise UserFacingError(str(exc)) from exc
     return 0

@@ -27,7 +27,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from genrec.infra.cli import UserFacingError
+from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import Settings
 from genrec.schemas.events import EVENT_TYPES, parse_timestamp_ms
 

@@ -55,8 +55,8 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from genrec.infra.cli import UserFacingError
     from genrec.infra.database import make_engine
+    from genrec.infra.errors import UserFacingError
     from genrec.infra.settings import get_settings
     from genrec.offline.evaluation import format_table, plot_report, run_protocol
 
@@ -87,8 +87,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _fit_recall(args: argparse.Namespace) -> int:
-    from genrec.infra.cli import UserFacingError
     from genrec.infra.database import make_engine
+    from genrec.infra.errors import UserFacingError
     from genrec.infra.settings import get_settings
     from genrec.offline.recall import fit_store_branches, save_branches
 

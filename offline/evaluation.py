@@ -30,9 +30,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from genrec.offline.merge import merge_lists
-from genrec.offline.recall import BRANCHES, RecallBranch, fit_branches, semantic_id_embeddings
+from genrec.offline.recall import BRANCHES, fit_branches, semantic_id_embeddings
 from genrec.offline.splits import Case, leave_one_out
+from genrec.online.branches import RecallBranch
+from genrec.online.merge import merge_lists
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def run_protocol(
     drafts: dict[str, Any] = {}
     agreement: dict[str, Any] = {}
     if models is not None:
-        from genrec.offline.generative import draft_agreement, recommend_generative
+        from genrec.online.models.generative import draft_agreement, recommend_generative
 
         batch = recall.eval_batch_size
         lists["generative"] = recommend_generative(
@@ -341,11 +342,11 @@ def protocol_description(
 def _active_models(settings, engine, notes: list[str]):
     """The active generative models, or None with a note saying why they are skipped."""
     try:
-        from genrec.offline.generative import load_active_models
+        from genrec.online.models.generative import load_active_models
     except ImportError as exc:
         notes.append(f"generative rankers skipped: {exc}")
         return None
-    from genrec.infra.cli import UserFacingError
+    from genrec.infra.errors import UserFacingError
 
     try:
         models = load_active_models(settings, engine)
@@ -369,7 +370,7 @@ def _tuned_weights(
     depth = max(k, recall.merge_depth)
     lists = {name: branch_ranker(branches[name], stamps)(cases, depth) for name in BRANCHES}
     if models is not None:
-        from genrec.offline.generative import recommend_generative
+        from genrec.online.models.generative import recommend_generative
 
         lists = {
             "generative": recommend_generative(

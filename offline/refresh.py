@@ -45,7 +45,6 @@ from typing import Any
 from sqlalchemy import Engine, func, insert, select, update
 from tqdm.auto import tqdm
 
-from genrec.infra.kv_store import PrefixKVEntry, open_kv_store
 from genrec.infra.serving_versions import (
     activate,
     active_serving_version,
@@ -54,6 +53,7 @@ from genrec.infra.serving_versions import (
     recent_activated_versions,
 )
 from genrec.offline.run_lock import RunLock
+from genrec.online.prefix_kv_store import PrefixKVEntry, open_kv_store
 from genrec.schemas.tables import events, items, job_runs, serving_versions
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class UserEvent:
 
 def refresh_semantic_ids(settings, engine: Engine, full: bool) -> tuple[Any, dict[str, Any]]:
     """New items get semantic IDs; returns (semantic-ID version, summary)."""
-    from genrec.offline.semantic_ids import build_semantic_ids
+    from genrec.offline.semantic_ids.build import build_semantic_ids
 
     report = build_semantic_ids(settings, engine, full=full)
     return getattr(report, "version", None), _scalars(report)
@@ -91,12 +91,12 @@ def train_models(settings, engine: Engine, retrain_target: bool) -> None:
     Both end with a new active model version (``model_versions``), which the
     next step loads.
     """
-    from genrec.offline import train_cli
+    from genrec.offline.training import cli as train_cli
 
     entry = getattr(train_cli, "train_for_refresh", None)
     if entry is None:
         raise RuntimeError(
-            "genrec.offline.train_cli has no train_for_refresh(settings, engine, preset=, "
+            "genrec.offline.training.cli has no train_for_refresh(settings, engine, preset=, "
             "target=): cannot retrain from the refresh job"
         )
     entry(settings, engine, preset=settings.refresh.train_preset, target=retrain_target)
@@ -106,7 +106,7 @@ def load_models(settings, engine: Engine):
     """The active model version (``GenerativeModels``), its target on the GPU when present."""
     import torch
 
-    from genrec.offline.generative import load_active_models
+    from genrec.online.models.generative import load_active_models
 
     torch.set_num_threads(settings.refresh.torch_threads)
     models = load_active_models(settings, engine)
@@ -117,7 +117,7 @@ def load_models(settings, engine: Engine):
 
 
 def has_active_model(engine: Engine) -> bool:
-    from genrec.offline.model_store import active_model_row
+    from genrec.online.models.store import active_model_row
 
     return active_model_row(engine) is not None
 
@@ -131,7 +131,7 @@ def fit_recall(settings, engine: Engine) -> None:
 
 
 def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> list:
-    from genrec.online.prefix_kv import compute_prefix_kv as compute
+    from genrec.online.decoding.prefix_kv import compute_prefix_kv as compute
 
     return compute(model, prompts, model_version, batch_size=max(1, len(prompts)))
 

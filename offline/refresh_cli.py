@@ -76,8 +76,8 @@ def _settings_with(**refresh_overrides):
 
 
 def _refresh(args: argparse.Namespace) -> int:
-    from genrec.infra.cli import UserFacingError
     from genrec.infra.database import make_engine
+    from genrec.infra.errors import UserFacingError
     from genrec.offline.refresh import run_refresh
     from genrec.offline.run_lock import LockBusy
 

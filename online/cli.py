@@ -1,10 +1,9 @@
-"""Subcommands of the online step: ``genrec serve`` and ``genrec bench serve``."""
+"""Subcommands of the online step: ``genrec serve``."""
 
 from __future__ import annotations
 
 import argparse
 import signal
-from pathlib import Path
 
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
@@ -33,40 +32,6 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     serve.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     serve.set_defaults(handler=_serve)
 
-    bench = groups.group("bench", "Benchmarks that measure side by side and print ratios")
-    bench_serve = bench.add_parser(
-        "serve", help="prefix-KV serving vs recomputing the full history prompt",
-        description="Side by side in one run, for the same users, prompts and decoder: a request "
-        "served from the cached prefix KV (the target prefills only the newest events) vs from "
-        "the full history prompt; alternating passes, medians, ms/request and the ratio. Uses "
-        "the active serving version's model when there is one, else random --preset models.",
-    )  # fmt: skip
-    bench_serve.add_argument("--users", type=int, default=32, help="users measured")
-    bench_serve.add_argument(
-        "--suffix-events", type=int, default=2, help="newest events left out of the cached prefix"
-    )
-    bench_serve.add_argument("--batch-sizes", default="1,8", help="comma-separated")
-    bench_serve.add_argument("--mode", choices=["strict", "relaxed", "target"], default="strict")
-    bench_serve.add_argument("--repeats", type=int, default=3, help="alternating passes per side")
-    bench_serve.add_argument(
-        "--threads", type=int, default=None, help="torch threads (default: online.torch_threads)"
-    )
-    bench_serve.add_argument(
-        "--random", action="store_true", help="time random --preset models even if one is trained"
-    )
-    bench_serve.add_argument(
-        "--preset", default="small", help="model preset timed when no version is trained"
-    )
-    bench_serve.add_argument(
-        "--history-items", type=int, default=50, help="H of random models (trained: their own)"
-    )
-    bench_serve.add_argument(
-        "--beam-width", type=int, default=None,
-        help="generative beams (default: the worker's, online.beam_width or 2 x online.k)",
-    )  # fmt: skip
-    bench_serve.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    bench_serve.set_defaults(handler=_bench)
-
 
 def _serve(args: argparse.Namespace) -> int:
     import torch
@@ -74,12 +39,12 @@ def _serve(args: argparse.Namespace) -> int:
     from genrec.infra import metrics
     from genrec.infra.database import make_engine
     from genrec.infra.settings import get_settings
-    from genrec.online.recommender import Recommender
-    from genrec.online.serving_version import (
+    from genrec.online.live_version import (
         ServingVersions,
         active_serving_key,
         load_serving_bundle,
     )
+    from genrec.online.recommender import Recommender
     from genrec.online.worker import OnlineWorker
 
     settings = get_settings()
@@ -105,16 +70,4 @@ def _serve(args: argparse.Namespace) -> int:
             server.stop()
     print(f"served {report.requests:,} requests ({report.events:,} events) in "
           f"{report.batches:,} batches; versions {report.versions}")  # fmt: skip
-    return 0
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from genrec.online.bench import run_serve_bench
-
-    batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
-    run_serve_bench(
-        args.users, args.suffix_events, batch_sizes, args.json, args.preset, args.mode,
-        repeats=args.repeats, threads=args.threads, random_models=args.random,
-        history_items=args.history_items, beam_width=args.beam_width,
-    )  # fmt: skip
     return 0

@@ -16,13 +16,13 @@ For every request (a user's latest event in the batch) the recommender:
    all lists, and builds the ``RecommendationMessage``.
 
 The decoder, KV store and branches come from a ``ServingBundle`` (see
-``genrec.online.serving_version``) so tests can inject small models and fakes.
+``genrec.online.live_version``) so tests can inject small models and fakes.
 
 Example::
 
     >>> from genrec.infra.database import make_engine
     >>> from genrec.infra.settings import Settings
-    >>> from genrec.online.serving_version import ServingBundle
+    >>> from genrec.online.live_version import ServingBundle
     >>> recommender = Recommender(Settings(online={"k": 3}), make_engine("sqlite://"))
     >>> event = UserEvent(event_id="e1", user_id="7", item_id="42", event_type="view", ts=1)
     >>> [m.event_id for m in recommender.recommend([Request.of([event])], ServingBundle("empty"))]
@@ -42,7 +42,7 @@ from sqlalchemy import Engine, select
 
 from genrec.infra import metrics
 from genrec.infra.settings import OnlineSettings, Settings
-from genrec.offline.merge import merge_lists
+from genrec.online.merge import merge_lists
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
 from genrec.schemas.tables import events
@@ -101,7 +101,7 @@ class GenerativeBatch:
 class GenerativeDecoder(Protocol):
     """Decodes a batch of users to their top items (seen items already removed)."""
 
-    item_tokens: Any  # genrec.offline.prompts.ItemTokens: item ids, rows and tokens
+    item_tokens: Any  # genrec.online.prompts.ItemTokens: item ids, rows and tokens
     history_items: int  # the model's history window H
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch: ...
@@ -399,7 +399,7 @@ def read_store_histories(
 def merge_branches(
     lists: Mapping[str, Sequence[tuple[str, float]]], k: int, recall
 ) -> list[ScoredItem]:
-    """The merged list (``genrec.offline.merge`` with ``recall.merge_*``), each item credited
+    """The merged list (``genrec.online.merge`` with ``recall.merge_*``), each item credited
     to the branch that ranked it best."""
     merged = merge_lists(
         lists, k, recall.merge_method, recall.merge_weights, recall.merge_quotas or None,
@@ -454,8 +454,8 @@ class ModelDecoder:
         import torch
 
         from genrec.online.auto_mode import AutoMode
-        from genrec.online.speculative import AcceptanceMonitor
-        from genrec.online.trie import ItemTrie
+        from genrec.online.decoding.speculative import AcceptanceMonitor
+        from genrec.online.decoding.trie import ItemTrie
 
         self.models, self.settings = models, settings
         self.item_tokens = models.item_tokens
@@ -496,7 +496,7 @@ class ModelDecoder:
         return self.auto.next_mode() if self.auto is not None else self.settings.mode
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch:
-        from genrec.online.prefix_kv import PrefixBatch
+        from genrec.online.decoding.prefix_kv import PrefixBatch
 
         mode, started = self._next_mode(), time.perf_counter()
         items: list[list[tuple[int, float]]] = [[] for _ in requests]
@@ -531,7 +531,7 @@ class ModelDecoder:
         KV is computed on a user's first request and kept with the target's (``companions``,
         so it shares the LRU entry): later requests prefill only the suffix in both models.
         """
-        from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
+        from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
 
         suffixes = [list(r.suffix_tokens) for r in requests]
         if mode == "target" or not self.monitor.use_speculative():
@@ -549,13 +549,13 @@ class ModelDecoder:
     def _search(self, target_prompts, draft_prompts, beam_width: int, exclude, mode: str):
         """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
         if mode == "target":
-            from genrec.online.beam_search import beam_search
+            from genrec.online.decoding.beam_search import beam_search
 
             return beam_search(
                 self.models.target, target_prompts, self.trie, self.layout, beam_width,
                 exclude=exclude,
             )  # fmt: skip
-        from genrec.online.speculative import speculative_beam_search
+        from genrec.online.decoding.speculative import speculative_beam_search
 
         if target_prompts is not draft_prompts:
             target_prompts = (target_prompts, draft_prompts)

@@ -40,8 +40,8 @@ from genrec.infra import metrics
 from genrec.infra.broker_outage import OutagePoll
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
+from genrec.online.live_version import ServingVersions
 from genrec.online.recommender import Recommender, Request
-from genrec.online.serving_version import ServingVersions
 from genrec.schemas.events import UserEvent, validate_event
 
 log = logging.getLogger(__name__)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, func, insert, select
 
+from genrec.app.postgres import LocalPostgres, PostgresUnavailable
 from genrec.infra.database import make_engine
-from genrec.infra.postgres import LocalPostgres, PostgresUnavailable
 from genrec.ingest.movielens import load_ml100k, store_ml100k
 from genrec.schemas.tables import events, items
 
@@ -69,7 +69,7 @@ def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
     Tests may call ``kafka_broker.down()`` / ``.up()`` / ``.kill()``: the object keeps
     its ports and data, and ``kafka_settings`` brings it back up for the next test.
     """
-    from genrec.infra.kafka_broker import KafkaBroker, pick_free_ports
+    from genrec.app.kafka_broker import KafkaBroker, pick_free_ports
 
     port, controller_port = pick_free_ports(2)
     data_dir = tmp_path_factory.mktemp("kafka-var") / "kafka"  # laid out like DATA_DIR/kafka
@@ -182,7 +182,7 @@ def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0):
     """``n`` items with distinct random semantic IDs over a small scratch layout."""
     import numpy as np
 
-    from genrec.offline.prompts import ItemTokens
+    from genrec.online.prompts import ItemTokens
     from genrec.schemas.token_layout import TokenLayout
 
     rng = np.random.default_rng(seed)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genrec.online.beam_search import beam_search
-from genrec.online.decoding_bench import TEST_PRESETS, BenchModels, hf_generate_items, load_models
+from genrec.app.bench.decode import TEST_PRESETS, BenchModels, hf_generate_items, load_models
+from genrec.online.decoding.beam_search import beam_search
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
 
@@ -57,7 +57,7 @@ def test_single_child_steps_cost_no_call(case: BenchModels):
 def test_tiny_catalog_pads_missing_beams():
     case = load_models("tiny")
     few = case.trie.item_tokens[:3]
-    from genrec.online.trie import ItemTrie
+    from genrec.online.decoding.trie import ItemTrie
 
     trie = ItemTrie(few, case.layout)
     result = beam_search(case.target, [case.eval_users[0].prompt], trie, case.layout, 5)
@@ -93,7 +93,7 @@ def test_dead_nodes_are_the_subtrees_of_excluded_items_only(case):
 def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, k: int):
     from transformers import LogitsProcessorList
 
-    from genrec.online.beam_search import TrieLogitsProcessor
+    from genrec.online.decoding.beam_search import TrieLogitsProcessor
 
     prompts = [u.prompt for u in case.eval_users[:4]]
     plain = beam_search(case.target, prompts, case.trie, case.layout, k)

@@ -4,7 +4,7 @@ cold items, save/load."""
 import numpy as np
 import pytest
 
-from genrec.offline.cooccurrence_mix import CooccurrenceMix, mix_cooccurrence
+from genrec.offline.semantic_ids.cooccurrence_mix import CooccurrenceMix, mix_cooccurrence
 from genrec.offline.splits import leave_one_out
 
 

@@ -43,7 +43,7 @@ def test_settings_read_toml_and_keep_secrets_out_of_dumps(monkeypatch, tmp_path)
 
 
 def test_bad_settings_are_a_clear_error_that_never_echoes_values(monkeypatch, capsys):
-    from genrec.infra.cli import main
+    from genrec.app.cli import main
     from genrec.infra.settings import get_settings
 
     get_settings.cache_clear()  # a cached good config would hide the bad one
@@ -57,7 +57,7 @@ def test_bad_settings_are_a_clear_error_that_never_echoes_values(monkeypatch, ca
 
 def test_unknown_genrec_variables_stop_the_command_with_the_closest_name(monkeypatch, capsys):
     """pydantic-settings ignores names it does not know: a typo would pass in silence."""
-    from genrec.infra.cli import main
+    from genrec.app.cli import main
     from genrec.infra.settings import get_settings, setting_names, unknown_variables
 
     get_settings.cache_clear()

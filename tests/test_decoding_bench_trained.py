@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_train_tiny import semantic_ids, store, tiny_settings  # noqa: F401 (fixtures)
 
+from genrec.app.bench.decode import load_trained_models, run_decode_bench
 from genrec.infra.settings import DecodeSettings
-from genrec.offline.model_store import load_model_version
-from genrec.offline.train_cli import train_models
-from genrec.online.decoding_bench import load_trained_models, run_decode_bench
+from genrec.offline.training.cli import train_models
+from genrec.online.models.store import load_model_version
 
 
 @pytest.mark.slow

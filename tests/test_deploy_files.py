@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from genrec.infra.cli import build_parser
+from genrec.app.cli import build_parser
 from genrec.infra.settings import PROCESS_VARIABLES, Settings, setting_names
 
 ROOT = Path(__file__).resolve().parents[1]

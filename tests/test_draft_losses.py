@@ -8,16 +8,16 @@ import numpy as np
 import torch
 from conftest import random_items
 
-from genrec.offline.generative import PrefixTree, decode_batched
-from genrec.offline.models import PRESETS, build_draft, build_target
-from genrec.offline.prompts import history_prompt
-from genrec.offline.train_draft import (
+from genrec.offline.training.draft import (
     align_draft,
     atspeed_r_loss,
     atspeed_s_loss,
     beam_logits,
     make_teacher_data,
 )
+from genrec.online.models.generative import PrefixTree, decode_batched
+from genrec.online.models.presets import PRESETS, build_draft, build_target
+from genrec.online.prompts import history_prompt
 
 
 def _log_probs(shape, seed, invalid_last=2):

@@ -17,8 +17,8 @@ from genrec.offline.evaluation import (
     run_protocol,
     target_rank,
 )
-from genrec.offline.recall import PopularityBranch
 from genrec.offline.splits import Case
+from genrec.online.branches import PopularityBranch
 
 
 def test_known_hr_and_ndcg_on_hand_made_rankings():
@@ -129,7 +129,7 @@ class FakeModels:
 
 def test_generative_rankers_plug_in(ml100k_engine, tmp_path, monkeypatch):
     """A stand-in generative module: an oracle target and a draft that is always wrong."""
-    fake = types.ModuleType("genrec.offline.generative")
+    fake = types.ModuleType("genrec.online.models.generative")
     calls = []
 
     def recommend_generative(models, cases, k, which="target", **kwargs):
@@ -144,7 +144,7 @@ def test_generative_rankers_plug_in(ml100k_engine, tmp_path, monkeypatch):
         v: {"topk_overlap": 0.5, "strict_acceptance_per_step": [1.0, 0.5, 0.25]}
         for v in models.drafts
     }
-    monkeypatch.setitem(sys.modules, "genrec.offline.generative", fake)
+    monkeypatch.setitem(sys.modules, "genrec.online.models.generative", fake)
     report = run_protocol(Settings(home=tmp_path), ml100k_engine, max_users=50, progress=False)
     results = report["results"]
     assert list(results) == ["popularity", "itemcf", "ann", "generative", "merged"]

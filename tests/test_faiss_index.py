@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from genrec.offline.faiss_index import (
+from genrec.offline.semantic_ids.faiss_index import (
     ItemIndex,
     brute_force_topk,
     build_item_index,

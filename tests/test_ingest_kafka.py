@@ -20,10 +20,10 @@ from conftest import count_rows, unique_kafka, wait_for
 from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import select
 
+from genrec.app.bench.ingest import run_bench, synthetic_events
 from genrec.infra.database import make_engine
 from genrec.infra.settings import IngestSettings, Settings
 from genrec.infra.topics import KafkaTopicsError
-from genrec.ingest.bench import run_bench, synthetic_events
 from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_events
 from genrec.schemas.events import DeadLetter
@@ -210,7 +210,7 @@ def test_kill_9_mid_stream_then_restart_stores_each_event_once(
 def test_sigterm_drains_and_exits_zero_and_metrics_answer(kafka_settings, tmp_path):
     import urllib.request
 
-    from genrec.infra.kafka_broker import pick_free_ports
+    from genrec.app.kafka_broker import pick_free_ports
 
     url = f"sqlite:///{tmp_path / 'term.db'}"
     settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)

@@ -304,7 +304,7 @@ def test_prepare_events_is_a_stable_time_sort_with_file_row_ids():
 
 
 def test_prepare_events_rejects_bad_files():
-    from genrec.infra.cli import UserFacingError
+    from genrec.infra.errors import UserFacingError
 
     with pytest.raises(UserFacingError, match="missing"):
         replay.prepare_events(pd.DataFrame({"user_id": [1], "item_id": [2]}))
@@ -454,7 +454,7 @@ def test_fast_path_is_not_the_authority_for_rejections():
 
 def test_replay_items_alone_loads_the_catalog_and_produces_nothing(tmp_path, monkeypatch, capsys):
     """A catalog update (new or changed items) without events; no Kafka is needed."""
-    from genrec.infra.cli import main
+    from genrec.app.cli import main
     from genrec.infra.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'store.db'}"

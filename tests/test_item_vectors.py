@@ -8,7 +8,11 @@ import torch
 from conftest import split_prompts
 from transformers import AutoModelForCausalLM
 
-from genrec.offline.item_vectors import (
+from genrec.app.bench.decode import BenchModels, load_models
+from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
+from genrec.online.decoding.speculative import speculative_beam_search
+from genrec.online.models.item_vectors import (
     FILE_NAME,
     attach_item_vectors,
     fit_item_vectors,
@@ -17,11 +21,7 @@ from genrec.offline.item_vectors import (
     plain_input_embeddings,
     save_pretrained_with_item_vectors,
 )
-from genrec.offline.prompts import ItemTokens
-from genrec.online.beam_search import beam_search
-from genrec.online.decoding_bench import BenchModels, load_models
-from genrec.online.prefix_kv import PrefixBatch, compute_prefix_kv
-from genrec.online.speculative import speculative_beam_search
+from genrec.online.prompts import ItemTokens
 
 
 @pytest.fixture(scope="module")

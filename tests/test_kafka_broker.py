@@ -16,7 +16,7 @@ import pytest
 from conftest import unique_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
-from genrec.infra.kafka_broker import (
+from genrec.app.kafka_broker import (
     KafkaBroker,
     KafkaBrokerError,
     new_cluster_id,
@@ -82,7 +82,7 @@ def run_cli(broker: KafkaBroker, *args: str) -> subprocess.CompletedProcess[str]
         "GENREC_KAFKA__BOOTSTRAP": broker.bootstrap,
         "GENREC_KAFKA_BROKER__CONTROLLER_PORT": str(broker.controller_port),
     }
-    command = [sys.executable, "-m", "genrec.infra.cli", *args]
+    command = [sys.executable, "-m", "genrec.app.cli", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 

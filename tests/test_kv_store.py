@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from genrec.infra.database import make_engine
-from genrec.infra.kv_store import LocalDirKVStore, PrefixKVEntry, open_kv_store
 from genrec.infra.settings import Settings
-from genrec.online.prefix_kv import ModelVersionMismatch, PrefixKV
+from genrec.online.decoding.prefix_kv import ModelVersionMismatch, PrefixKV
+from genrec.online.prefix_kv_store import LocalDirKVStore, PrefixKVEntry, open_kv_store
 
 
 def _prefix_kv(n_tokens: int, model_version: str = "m1", layers: int = 2) -> PrefixKV:

@@ -1,6 +1,6 @@
 import pytest
 
-from genrec.offline.merge import merge_lists
+from genrec.online.merge import merge_lists
 
 
 def ids(rows):

@@ -60,7 +60,7 @@ def test_health_check_that_raises_is_unhealthy() -> None:
 
 
 def test_port_in_use_is_a_clear_error() -> None:
-    from genrec.infra.cli import UserFacingError
+    from genrec.infra.errors import UserFacingError
 
     server = metrics.start_metrics_server(0, host="127.0.0.1")
     try:

@@ -7,9 +7,15 @@ import pytest
 import torch
 from conftest import random_items
 
-from genrec.offline.generative import PrefixTree, decode_batched
-from genrec.offline.models import PRESETS, build_draft, build_target, item_logits, scratch_tokenizer
-from genrec.offline.prompts import (
+from genrec.online.models.generative import PrefixTree, decode_batched
+from genrec.online.models.presets import (
+    PRESETS,
+    build_draft,
+    build_target,
+    item_logits,
+    scratch_tokenizer,
+)
+from genrec.online.prompts import (
     IGNORE_INDEX,
     ItemTokens,
     history_prompt,

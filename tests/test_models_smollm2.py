@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genrec.offline.models import item_logits
-from genrec.offline.prompts import ItemTokens, training_example
-from genrec.offline.train_target import LevelLoss, collate
+from genrec.offline.training.target import LevelLoss, collate
+from genrec.online.models.presets import item_logits
+from genrec.online.prompts import ItemTokens, training_example
 
 pytestmark = pytest.mark.slow
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_smollm2_loads_trains_one_step_and_reloads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from genrec.offline.smollm2 import load_pretrained_with_items, pretrained_item_layout
+    from genrec.online.models.smollm2 import load_pretrained_with_items, pretrained_item_layout
 
     layout = pretrained_item_layout((8, 8, 4))
     assert layout.base_vocab_size == 49152 and layout.bos_token_id != layout.eos_token_id

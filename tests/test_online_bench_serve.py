@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from genrec.online.bench import run_serve_bench
+from genrec.app.bench.serve import run_serve_bench
 
 
 @pytest.mark.slow

@@ -8,10 +8,10 @@ import torch
 from prometheus_client import REGISTRY
 
 from genrec.infra.settings import OnlineSettings
-from genrec.offline.generative import GenerativeModels
-from genrec.offline.models import build_draft, build_target, get_preset
-from genrec.offline.prompts import ItemTokens, history_prompt
-from genrec.online.prefix_kv import compute_prefix_kv
+from genrec.online.decoding.prefix_kv import compute_prefix_kv
+from genrec.online.models.generative import GenerativeModels
+from genrec.online.models.presets import build_draft, build_target, get_preset
+from genrec.online.prompts import ItemTokens, history_prompt
 from genrec.online.recommender import GenerativeRequest, ModelDecoder
 from genrec.schemas.token_layout import TokenLayout
 
@@ -99,7 +99,7 @@ def test_cached_prompt_plus_suffix_longer_than_the_window(models) -> None:
 
 def test_draft_prefix_kv_is_computed_once_per_cached_prefix(models, monkeypatch) -> None:
     """The draft prefills a user's cached prompt on the first request only; results unchanged."""
-    from genrec.online import prefix_kv as prefix_kv_module
+    from genrec.online.decoding import prefix_kv as prefix_kv_module
 
     histories = [[f"i{n}" for n in range(s, s + 7)] for s in (0, 40)]
     reqs = requests(models, histories, cached=True)

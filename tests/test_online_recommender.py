@@ -11,8 +11,9 @@ from sqlalchemy import insert
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import RecallSettings, Settings
-from genrec.offline.prompts import ItemTokens
-from genrec.offline.recall import PopularityBranch
+from genrec.online.branches import PopularityBranch
+from genrec.online.live_version import ServingBundle, ServingVersions
+from genrec.online.prompts import ItemTokens
 from genrec.online.recommender import (
     GenerativeBatch,
     PrefixKVCache,
@@ -20,7 +21,6 @@ from genrec.online.recommender import (
     Request,
     merge_branches,
 )
-from genrec.online.serving_version import ServingBundle, ServingVersions
 from genrec.schemas.events import UserEvent
 from genrec.schemas.tables import events
 from genrec.schemas.token_layout import TokenLayout
@@ -240,7 +240,7 @@ def test_nothing_active_serves_an_empty_bundle() -> None:
 def test_prefix_kv_lru_is_bounded_by_bytes() -> None:
     import torch
 
-    from genrec.online.prefix_kv import PrefixKV
+    from genrec.online.decoding.prefix_kv import PrefixKV
 
     keys = [torch.zeros(2, 100, 8)]  # 12,800 bytes with the values
 

@@ -34,8 +34,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 from sqlalchemy import insert, select
 
+from genrec.app.kafka_broker import pick_free_ports
 from genrec.infra.database import make_engine
-from genrec.infra.kafka_broker import pick_free_ports
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import KafkaSettings, Settings
 from genrec.schemas.events import UserEvent
@@ -281,7 +281,7 @@ def test_an_event_gets_a_recommendation_that_references_it(served, serving_home)
 
 
 def test_a_user_without_a_cache_still_gets_valid_items(served, serving_home) -> None:
-    from genrec.offline.model_store import load_model_version
+    from genrec.online.models.store import load_model_version
 
     worker, sent, answers = served
     catalog, _seen, active = store_facts(serving_home)

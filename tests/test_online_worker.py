@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kafka.structs import TopicPartition
 
 from genrec.infra.settings import Settings
-from genrec.online.serving_version import ServingBundle, ServingVersions
+from genrec.online.live_version import ServingBundle, ServingVersions
 from genrec.online.worker import OnlineWorker
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage

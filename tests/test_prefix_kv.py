@@ -7,9 +7,9 @@ import torch
 from conftest import split_prompts
 from transformers import DynamicCache
 
-from genrec.online.beam_search import beam_search
-from genrec.online.decoding_bench import TEST_PRESETS, BenchModels, load_models
-from genrec.online.prefix_kv import (
+from genrec.app.bench.decode import TEST_PRESETS, BenchModels, load_models
+from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.prefix_kv import (
     ModelVersionMismatch,
     PrefixBatch,
     cache_argument,
@@ -18,7 +18,7 @@ from genrec.online.prefix_kv import (
     output_cache,
     save_prefix_kv,
 )
-from genrec.online.speculative import speculative_beam_search
+from genrec.online.decoding.speculative import speculative_beam_search
 
 
 @pytest.fixture(scope="module", params=TEST_PRESETS)

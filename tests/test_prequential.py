@@ -1,4 +1,4 @@
-from genrec.infra.prequential import Published, ReplayedEvent, prequential_figures
+from genrec.app.prequential import Published, ReplayedEvent, prequential_figures
 
 
 def test_each_event_is_scored_against_the_answer_to_the_previous_event():

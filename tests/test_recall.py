@@ -6,14 +6,13 @@ import pytest
 
 from genrec.infra.settings import Settings
 from genrec.offline.evaluation import ProtocolData, branch_ranker, evaluate_rankings
-from genrec.offline.recall import (
+from genrec.offline.recall import fit_store_branches, save_branches
+from genrec.online.branches import (
     AnnBranch,
     ItemCFBranch,
     PopularityBranch,
     cooccurrence_embeddings,
-    fit_store_branches,
     load_branch,
-    save_branches,
 )
 
 SEQUENCES = {"u1": ["a", "b", "c"], "u2": ["a", "b", "d"], "u3": ["b", "c"]}

@@ -15,14 +15,14 @@ import torch
 from sqlalchemy import Engine, insert, select, update
 
 from genrec.infra.database import make_engine
-from genrec.infra.kv_store import kv_root, open_kv_store
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import Settings
-from genrec.offline.generative import GenerativeModels
-from genrec.offline.models import PRESETS, build_target
-from genrec.offline.prompts import ItemTokens
 from genrec.offline.refresh import RefreshCancelled, RefreshSteps, _active_histories, run_refresh
 from genrec.offline.run_lock import LockBusy, RunLock
+from genrec.online.models.generative import GenerativeModels
+from genrec.online.models.presets import PRESETS, build_target
+from genrec.online.prefix_kv_store import kv_root, open_kv_store
+from genrec.online.prompts import ItemTokens
 from genrec.schemas.tables import events, job_locks, job_runs, serving_versions
 from genrec.schemas.token_layout import TokenLayout
 
@@ -317,7 +317,7 @@ def test_refresh_without_kv_step_activates_models_only(sqlite_setup) -> None:
 def test_cli_status_lists_runs(sqlite_setup, monkeypatch, capsys) -> None:
     settings, engine = sqlite_setup
     run_refresh(settings, engine, steps=FakeSteps())
-    from genrec.infra import cli
+    from genrec.app import cli
     from genrec.infra.settings import get_settings
 
     monkeypatch.setenv("GENREC_HOME", str(settings.home))

@@ -20,9 +20,9 @@ from sqlalchemy import select
 from test_refresh import USERS, FakeSteps, add_events, assert_serves, make_settings, runs
 
 from genrec.infra.database import make_engine
-from genrec.infra.kv_store import kv_root, open_kv_store
 from genrec.infra.serving_versions import active_serving_version
 from genrec.offline.refresh import run_refresh
+from genrec.online.prefix_kv_store import kv_root, open_kv_store
 from genrec.schemas.tables import serving_versions
 
 LEASE_S = 2.0

@@ -1,7 +1,7 @@
 """The refresh with the real steps on ML-100K: semantic IDs, tiny-preset training, prefix KV.
 
 Skipped until the model store and the training entry point exist
-(``genrec.offline.model_store``, ``genrec.offline.train_cli.train_for_refresh``).
+(``genrec.online.models.store``, ``genrec.offline.training.cli.train_for_refresh``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from sqlalchemy import insert, select
 
 from genrec.infra.database import make_engine
-from genrec.infra.kv_store import open_kv_store
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import Settings
 from genrec.ingest.movielens import store_ml100k
 from genrec.offline.refresh import run_refresh
+from genrec.online.prefix_kv_store import open_kv_store
 from genrec.schemas.tables import events, job_runs
 
 
@@ -30,7 +30,7 @@ def _has(module: str, name: str | None = None) -> bool:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (_has("genrec.offline.model_store") and _has("genrec.offline.train_cli", "train_for_refresh")),
+        not (_has("genrec.online.models.store") and _has("genrec.offline.training.cli", "train_for_refresh")),
         reason="model store / training entry point not available yet",
     ),
 ]  # fmt: skip

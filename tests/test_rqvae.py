@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from genrec.offline.rqvae import (
+from genrec.offline.semantic_ids.rqvae import (
     RQVAE,
     DedupOverflowError,
     RQVAEConfig,

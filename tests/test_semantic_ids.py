@@ -15,8 +15,8 @@ from sqlalchemy import insert, select, update
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
-from genrec.offline import semantic_ids as sid
-from genrec.offline.semantic_ids import (
+from genrec.offline.semantic_ids import build as sid
+from genrec.offline.semantic_ids.build import (
     NoActiveSemanticIds,
     build_semantic_ids,
     load_active_semantic_ids,
@@ -232,7 +232,7 @@ def test_no_active_version_is_a_clear_error(tmp_path):
 
 
 def test_cli_writes_json_summary(built, tmp_path, monkeypatch):
-    from genrec.infra.cli import main
+    from genrec.app.cli import main
     from genrec.infra.settings import get_settings
 
     settings, engine, report, cache = built

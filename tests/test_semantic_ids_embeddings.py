@@ -4,7 +4,7 @@ import numpy as np
 from sqlalchemy import insert
 
 from genrec.infra.database import make_engine
-from genrec.offline.embeddings import (
+from genrec.offline.semantic_ids.embeddings import (
     EmbeddingCache,
     behavior_vectors,
     fit_behavior,

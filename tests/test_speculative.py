@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genrec.online.beam_search import beam_search
-from genrec.online.decoding_bench import TEST_PRESETS, BenchModels, hf_generate_items, load_models
-from genrec.online.speculative import AcceptanceMonitor, speculative_beam_search
+from genrec.app.bench.decode import TEST_PRESETS, BenchModels, hf_generate_items, load_models
+from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.speculative import AcceptanceMonitor, speculative_beam_search
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
 
@@ -85,7 +85,7 @@ def test_relaxed_gives_valid_distinct_items_and_is_seeded(case: BenchModels, k: 
 
 def test_monitor_falls_back_to_target_only_and_probes():
     monitor = AcceptanceMonitor(window=8, threshold=0.5, probe_every=4)
-    from genrec.online.beam_search import DecodeStats
+    from genrec.online.decoding.beam_search import DecodeStats
 
     assert monitor.use_speculative()
     for _ in range(8):
@@ -142,7 +142,7 @@ def test_strict_with_excluded_items_equals_target_only(case: BenchModels, k: int
 
 
 def test_strict_acceptance_per_level(case: BenchModels):
-    from genrec.online.speculative import strict_acceptance_per_level
+    from genrec.online.decoding.speculative import strict_acceptance_per_level
 
     prompts = [u.prompt for u in case.eval_users]
     reference = beam_search(case.target, prompts, case.trie, case.layout, 5)

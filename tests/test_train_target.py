@@ -9,10 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from genrec.offline.models import PRESETS, build_target, item_logits, level_masks
-from genrec.offline.prompts import IGNORE_INDEX, ItemTokens, training_example
 from genrec.offline.splits import leave_one_out
-from genrec.offline.train_target import (
+from genrec.offline.training.target import (
     LevelLoss,
     WeightAverage,
     collate,
@@ -22,6 +20,8 @@ from genrec.offline.train_target import (
     train_target,
     training_sequences,
 )
+from genrec.online.models.presets import PRESETS, build_target, item_logits, level_masks
+from genrec.online.prompts import IGNORE_INDEX, ItemTokens, training_example
 from genrec.schemas.token_layout import TokenLayout
 
 
@@ -108,7 +108,7 @@ def test_reverse_some_flips_about_its_share_and_keeps_every_item():
 
 
 def test_the_sft_draft_trains_in_time_order(monkeypatch):
-    from genrec.offline import train_draft
+    from genrec.offline.training import draft as train_draft
 
     seen = {}
     real = train_draft.train_target
@@ -132,8 +132,8 @@ def test_the_sft_draft_trains_in_time_order(monkeypatch):
 
 
 def test_item_vectors_are_fitted_on_the_training_sequences_only(monkeypatch):
-    from genrec.offline import train_target as module
-    from genrec.offline.item_vectors import item_vector_embedding
+    from genrec.offline.training import target as module
+    from genrec.online.models.item_vectors import item_vector_embedding
 
     fitted = []
     real = module.fit_item_vectors
@@ -173,7 +173,7 @@ def test_weight_average_follows_the_steps_and_swaps_back():
 
 
 def test_the_averaged_weights_are_validated_and_kept(monkeypatch):
-    import genrec.offline.train_target as train_module
+    import genrec.offline.training.target as train_module
 
     items, split = toy_items(), toy_split()
     seen = {}

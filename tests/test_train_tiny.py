@@ -11,18 +11,18 @@ from sqlalchemy import Engine, insert, select
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
-from genrec.offline.generative import (
+from genrec.offline.splits import load_split
+from genrec.offline.training.cli import train_models
+from genrec.offline.training.target import train_target
+from genrec.online.models.generative import (
     GenerativeModels,
     draft_agreement,
     load_active_models,
     recommend_generative,
 )
-from genrec.offline.model_store import ModelBundle, load_model_folder, save_model_version
-from genrec.offline.models import PRESETS, scratch_tokenizer
-from genrec.offline.prompts import ItemTokens
-from genrec.offline.splits import load_split
-from genrec.offline.train_cli import train_models
-from genrec.offline.train_target import train_target
+from genrec.online.models.presets import PRESETS, scratch_tokenizer
+from genrec.online.models.store import ModelBundle, load_model_folder, save_model_version
+from genrec.online.prompts import ItemTokens
 from genrec.schemas.tables import events, items, model_versions
 from genrec.schemas.token_layout import TokenLayout
 
@@ -149,7 +149,7 @@ def test_saved_artifacts_reload_with_identical_topk(store, semantic_ids, tmp_pat
 
 
 def test_cli_registers_offline_train():
-    from genrec.infra.cli import build_parser
+    from genrec.app.cli import build_parser
 
     args = build_parser().parse_args(["offline", "train", "--preset", "tiny", "--max-steps", "3"])
     assert args.preset == "tiny" and args.max_steps == 3 and callable(args.handler)

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from genrec.online.decoding_bench import random_catalog
-from genrec.online.trie import ItemTrie
+from genrec.app.bench.decode import random_catalog
+from genrec.online.decoding.trie import ItemTrie
 from genrec.schemas.token_layout import TokenLayout
 
 

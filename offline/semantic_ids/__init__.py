@@ -1,0 +1,1 @@
+"""genrec.offline.semantic_ids.build"""

@@ -1,0 +1,108 @@
+"""Collaborative signal in semantic IDs (offline step: item tokenization).
+
+Text alone places an item next to items that *read* alike; the target model has
+to predict what users *watch* together. A full semantic-ID build therefore feeds
+the RQ-VAE, for every item,
+
+    [sqrt(1 - w) * text_vector, sqrt(w) * cooccurrence_vector]     (both unit rows)
+
+so items consumed together share ID prefixes (w = ``semantic_ids.cooccurrence_weight``;
+0 keeps text-only IDs). ``text_vector`` is whatever ``genrec.offline.semantic_ids.embeddings``
+gives (text, or interaction SVD for items without text).
+
+- ``cooccurrence_vector``: the top eigenvectors of the cosine-normalized windowed
+  co-occurrence (``genrec.offline.recall.cooccurrence_embeddings``, the ANN
+  branch's embedding), fitted on every user's events **except the last one**:
+  that event is the user's test case in ``genrec eval``, and the target model's
+  final fit leaves it out too, so the evaluation stays honest.
+- Items without co-occurrence (unseen, or new since the fit): a ridge map from
+  the text vector, fitted on the items that have both, stands in.
+- A refresh keeps every existing item's vector (and ID) and gives new items their
+  text vector plus the mapped co-occurrence part. The map is saved with the version.
+
+Example::
+
+    >>> import numpy as np
+    >>> text = np.eye(3, dtype=np.float32)
+    >>> sequences = {"u1": ["a", "b", "x"], "u2": ["a", "b", "y"], "u3": ["c", "a", "z"]}
+    >>> vectors, mix = mix_cooccurrence(["a", "b", "c"], text, sequences, weight=0.5, dim=2)
+    >>> vectors.shape, round(float(np.linalg.norm(vectors[0])), 3)
+    ((3, 4), 1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file, save_file
+
+from genrec.offline.semantic_ids.embeddings import fit_projection
+from genrec.online.branches import cooccurrence_embeddings, normalize_rows
+
+MIX_FILE = "cooccurrence_mix.safetensors"
+
+
+@dataclass
+class CooccurrenceMix:
+    """What a refresh needs to place new items in a mixed build's space."""
+
+    weight: float
+    projection: np.ndarray  # float32 [text_dim, cooccurrence_dim]: text -> co-occurrence part
+
+    def save(self, folder: Path) -> None:
+        save_file(
+            {"projection": self.projection, "weight": np.array([self.weight], np.float32)},
+            str(folder / MIX_FILE),
+        )
+
+    @classmethod
+    def load(cls, folder: Path) -> CooccurrenceMix | None:
+        if not (folder / MIX_FILE).exists():
+            return None
+        tensors = load_file(str(folder / MIX_FILE))
+        return cls(float(tensors["weight"][0]), tensors["projection"])
+
+    def vectors(self, text: np.ndarray, cooccurrence: np.ndarray | None = None) -> np.ndarray:
+        """Mixed unit rows; rows of ``cooccurrence`` that are zero (or all, if None) are mapped."""
+        mapped = text @ self.projection
+        if cooccurrence is not None:
+            seen = np.linalg.norm(cooccurrence, axis=1) > 1e-8
+            mapped[seen] = cooccurrence[seen]
+        parts = [np.sqrt(1 - self.weight) * normalize_rows(text)]
+        parts.append(np.sqrt(self.weight) * _unit_or_zero(mapped))
+        return normalize_rows(np.concatenate(parts, axis=1))
+
+
+def mix_cooccurrence(
+    item_ids: Sequence[str],
+    text: np.ndarray,
+    sequences: Mapping[str, Sequence[str]],
+    *,
+    weight: float,
+    dim: int,
+    window: int = 20,
+) -> tuple[np.ndarray, CooccurrenceMix | None]:
+    """Mixed vectors of ``item_ids`` (rows of ``text``) and the map; unchanged text and None
+    when no item co-occurs with another (nothing to learn from).
+
+    ``sequences`` should already leave the test items out (``Split.before_test``).
+    """
+    if not 0.0 < weight < 1.0 + 1e-9:
+        raise ValueError(f"cooccurrence weight must be in (0, 1], got {weight}")
+    dim = max(1, min(dim, len(item_ids) - 2))
+    cooccurrence = cooccurrence_embeddings(sequences, item_ids, dim=dim, window=window)
+    seen = np.linalg.norm(cooccurrence, axis=1) > 1e-8
+    if seen.sum() < 2:
+        return normalize_rows(text), None
+    target = normalize_rows(cooccurrence[seen])
+    projection = fit_projection(text[seen].astype(np.float64), target.astype(np.float64))
+    mix = CooccurrenceMix(float(weight), projection.astype(np.float32))
+    return mix.vectors(text, normalize_rows(cooccurrence) * seen[:, None]), mix
+
+
+def _unit_or_zero(vectors: np.ndarray) -> np.ndarray:
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return np.where(norms > 1e-8, vectors / np.maximum(norms, 1e-12), 0.0).astype(np.float32)

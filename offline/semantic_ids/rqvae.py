@@ -1,0 +1,255 @@
+"""RQ-VAE: item embedding -> L residual codes, plus the dedup level (offline step: item tokenization).
+
+An MLP encoder maps an embedding to a latent; L codebooks quantize it residually
+(level l quantizes what levels < l left over); an MLP decoder reconstructs the
+embedding from the sum of the chosen codewords. Loss = reconstruction MSE + per
+level ``|sg(r) - e|^2 + beta |r - sg(e)|^2`` (codebook + commitment), with the
+straight-through estimator carrying the decoder's gradient to the encoder.
+
+Against codebook collapse (the classic failure): every codebook is initialized by
+k-means on the residuals it will quantize, and codes unused during an epoch are
+reset to randomly drawn residuals. Training is deterministic for a given seed.
+
+Items that end up on the same L codes get one extra dedup code (0, 1, 2, ...);
+``assign_unique_ids`` does that and, when a group would overflow the fixed dedup
+level, moves the item to its next-nearest last-level code.
+
+Example::
+
+    >>> import numpy as np
+    >>> from genrec.offline.semantic_ids.rqvae import RQVAEConfig, train_rqvae
+    >>> x = np.random.default_rng(0).standard_normal((200, 16)).astype("float32")
+    >>> model, stats = train_rqvae(x, RQVAEConfig(input_dim=16, codes_per_level=8, epochs=5),
+    ...                            progress=False)
+    >>> model.codes(torch.from_numpy(x)).shape
+    torch.Size([200, 3])
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+
+@dataclass(frozen=True)
+class RQVAEConfig:
+    input_dim: int
+    latent_dim: int = 32
+    hidden_dims: tuple[int, ...] = (256, 128)
+    levels: int = 3
+    codes_per_level: int = 256
+    commitment_weight: float = 0.25
+    epochs: int = 150
+    batch_size: int = 256
+    learning_rate: float = 1e-3
+    kmeans_iters: int = 25
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> RQVAEConfig:
+        known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        return cls(**{**known, "hidden_dims": tuple(known["hidden_dims"])})
+
+
+@dataclass
+class TrainingStats:
+    loss_history: list[float] = field(default_factory=list)
+    dead_code_resets: list[int] = field(default_factory=list)  # per level, summed over epochs
+    seconds: float = 0.0
+
+
+def mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append(nn.Linear(a, b))
+        if i < len(sizes) - 2:
+            layers.append(nn.SiLU())
+    return nn.Sequential(*layers)
+
+
+class RQVAE(nn.Module):
+    def __init__(self, config: RQVAEConfig) -> None:
+        super().__init__()
+        self.config = config
+        dims = [config.input_dim, *config.hidden_dims, config.latent_dim]
+        self.encoder = mlp(dims)
+        self.decoder = mlp(dims[::-1])
+        shape = (config.levels, config.codes_per_level, config.latent_dim)
+        self.codebooks = nn.Parameter(torch.zeros(shape))
+
+    def quantize(self, latent: torch.Tensor):
+        """Residual quantization: (sum of codewords, codes [n, L], residuals per level, loss)."""
+        residual, quantized = latent, torch.zeros_like(latent)
+        codes, residuals, loss = [], [], latent.new_zeros(())
+        for codebook in self.codebooks:
+            code = torch.cdist(residual, codebook).argmin(dim=1)
+            codeword = codebook[code]
+            loss = loss + F.mse_loss(codeword, residual.detach())
+            loss = loss + self.config.commitment_weight * F.mse_loss(residual, codeword.detach())
+            codes.append(code)
+            residuals.append(residual)
+            quantized = quantized + codeword
+            residual = residual - codeword.detach()
+        return quantized, torch.stack(codes, dim=1), residuals, loss
+
+    def forward(self, x: torch.Tensor):
+        latent = self.encoder(x)
+        quantized, codes, residuals, quant_loss = self.quantize(latent)
+        straight_through = latent + (quantized - latent).detach()
+        reconstruction = self.decoder(straight_through)
+        recon_loss = F.mse_loss(reconstruction, x)
+        return reconstruction, codes, residuals, recon_loss, quant_loss
+
+    @torch.no_grad()
+    def codes(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantize(self.encoder(x))[1]
+
+    @torch.no_grad()
+    def reconstruction_loss(self, x: torch.Tensor) -> float:
+        return float(self(x)[3])
+
+
+def kmeans(points: torch.Tensor, k: int, iters: int, generator: torch.Generator) -> torch.Tensor:
+    """k-means++ seeding then Lloyd iterations; empty clusters take a random point."""
+    n = points.shape[0]
+    if n <= k:  # fewer points than codes: every point is a code, the rest jittered copies
+        extra = points[torch.randint(n, (k - n,), generator=generator)]
+        noise = torch.randn(extra.shape, generator=generator) * 1e-3
+        return torch.cat([points, extra + noise.to(points.device)])
+    centroids = points[torch.randint(n, (1,), generator=generator)]
+    nearest = torch.cdist(points, centroids).squeeze(1) ** 2
+    for _ in range(1, k):
+        weights = nearest.clamp_min(1e-12).cpu()
+        choice = torch.multinomial(weights / weights.sum(), 1, generator=generator)
+        centroids = torch.cat([centroids, points[choice]])
+        nearest = torch.minimum(nearest, (torch.cdist(points, points[choice]).squeeze(1)) ** 2)
+    for _ in range(iters):
+        assignment = torch.cdist(points, centroids).argmin(dim=1)
+        sums = torch.zeros_like(centroids).index_add_(0, assignment, points)
+        counts = torch.bincount(assignment, minlength=k).unsqueeze(1).to(points.dtype)
+        empty = counts.squeeze(1) == 0
+        centroids = torch.where(empty.unsqueeze(1), centroids, sums / counts.clamp_min(1))
+        if empty.any():
+            refill = torch.randint(n, (int(empty.sum()),), generator=generator)
+            centroids[empty] = points[refill.to(points.device)]
+    return centroids
+
+
+@torch.no_grad()
+def init_codebooks(model: RQVAE, x: torch.Tensor, generator: torch.Generator) -> None:
+    """k-means on level l's residuals gives codebook l (levels initialized in order)."""
+    residual = model.encoder(x)
+    for level in range(model.config.levels):
+        centroids = kmeans(
+            residual, model.config.codes_per_level, model.config.kmeans_iters, generator
+        )
+        model.codebooks[level] = centroids
+        residual = residual - centroids[torch.cdist(residual, centroids).argmin(dim=1)]
+
+
+@torch.no_grad()
+def reset_dead_codes(
+    model: RQVAE, usage: torch.Tensor, residuals: list[torch.Tensor], generator: torch.Generator
+) -> list[int]:
+    """Codes no item chose this epoch move onto random residuals of their level."""
+    resets = []
+    for level, level_residuals in enumerate(residuals):
+        dead = torch.nonzero(usage[level] == 0).squeeze(1)
+        if len(dead):
+            pick = torch.randint(len(level_residuals), (len(dead),), generator=generator)
+            model.codebooks[level, dead] = level_residuals[pick.to(level_residuals.device)]
+        resets.append(len(dead))
+    return resets
+
+
+def train_rqvae(
+    embeddings: np.ndarray, config: RQVAEConfig, *, device: str | None = None, progress: bool = True
+) -> tuple[RQVAE, TrainingStats]:
+    """Train an RQ-VAE on ``embeddings`` (float32 [n, input_dim]); deterministic for ``config.seed``."""
+    if embeddings.ndim != 2 or embeddings.shape[1] != config.input_dim or len(embeddings) == 0:
+        raise ValueError(f"embeddings must be [n>0, {config.input_dim}], got {embeddings.shape}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    model = RQVAE(config).to(device)
+    x = torch.from_numpy(np.ascontiguousarray(embeddings, dtype=np.float32)).to(device)
+    init_codebooks(model, x, generator)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
+    stats = TrainingStats(dead_code_resets=[0] * config.levels)
+    batches_per_epoch = math.ceil(len(x) / config.batch_size)
+    bar = tqdm(range(config.epochs), desc="train RQ-VAE", unit="epoch", disable=not progress)
+    for _ in bar:
+        order = torch.randperm(len(x), generator=generator).to(device)
+        usage = torch.zeros(config.levels, config.codes_per_level, device=device)
+        epoch_loss = 0.0
+        residuals: list[list[torch.Tensor]] = [[] for _ in range(config.levels)]
+        for batch in order.chunk(batches_per_epoch):
+            _, codes, level_residuals, recon_loss, quant_loss = model(x[batch])
+            loss = recon_loss + quant_loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            epoch_loss += float(loss.detach()) * len(batch) / len(x)
+            for level in range(config.levels):
+                usage[level] += torch.bincount(codes[:, level], minlength=config.codes_per_level)
+                residuals[level].append(level_residuals[level].detach())
+        resets = reset_dead_codes(model, usage, [torch.cat(r) for r in residuals], generator)
+        stats.dead_code_resets = [
+            a + b for a, b in zip(stats.dead_code_resets, resets, strict=True)
+        ]
+        stats.loss_history.append(epoch_loss)
+        bar.set_postfix(loss=f"{epoch_loss:.5f}", dead=sum(resets))
+    model.eval()
+    return model, stats
+
+
+class DedupOverflowError(RuntimeError):
+    """An item found no free dedup slot among its candidate last-level codes."""
+
+
+def assign_unique_ids(
+    candidates: np.ndarray,
+    prefixes: np.ndarray,
+    dedup_codes: int,
+    taken: set[tuple[int, ...]] | None = None,
+) -> tuple[np.ndarray, int]:
+    """Unique IDs of length L+1 from each item's L-1 prefix and ranked last-level candidates.
+
+    Items are processed in row order; each takes the lowest free dedup code of its
+    nearest last-level code, or, when that group already holds ``dedup_codes``
+    items, of its next-nearest candidate. ``taken`` holds IDs already in use (old
+    items on a refresh). Returns the IDs (int64 [n, L+1]) and how many items moved.
+    """
+    taken = set(taken or ())
+    used_slots: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for semantic_id in taken:
+        used_slots[semantic_id[:-1]].add(semantic_id[-1])
+    ids = np.zeros((len(candidates), prefixes.shape[1] + 2), dtype=np.int64)
+    moved = 0
+    for row in range(len(candidates)):
+        prefix = tuple(int(c) for c in prefixes[row])
+        for rank, last in enumerate(candidates[row]):
+            group = (*prefix, int(last))
+            free = next((d for d in range(dedup_codes) if d not in used_slots[group]), None)
+            if free is not None:
+                used_slots[group].add(free)
+                ids[row] = (*group, free)
+                moved += rank > 0
+                break
+        else:
+            raise DedupOverflowError(
+                f"item row {row}: all {len(candidates[row])} candidate codes under prefix {prefix} "
+                f"already hold {dedup_codes} items; raise semantic_ids.dedup_codes and rebuild "
+                "with --full"
+            )
+    return ids, moved

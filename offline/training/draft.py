@@ -1,0 +1,298 @@
+"""Training the draft models (offline step, models): SFT, AtSpeed-S and AtSpeed-R.
+
+The draft shares the target's tokenizer and token layout but has one or two
+layers. Three variants are trained so they can be compared:
+
+- ``sft``: the target's recipe (every next-item position, ground truth).
+- ``atspeed_s`` and ``atspeed_r``: start from the SFT draft, then train on
+  teacher data with ``(1 - a) * CE + a * L_align`` (``a`` =
+  ``settings.model.align_weight``, 0.9), CE on the true next item.
+
+Teacher data (``make_teacher_data``): the target's constrained top-``K_t`` beams
+for a seeded sample of training prompts, and the target's log-probabilities at
+every level along each beam (renormalized over the valid children, as the
+decoder scores them). The draft is trained teacher-forced on those beams: one
+prefill per prompt, its KV cache shared by the ``K_t`` beam suffixes.
+
+Alignment losses, at each level ``t`` of each target beam:
+
+- AtSpeed-S: over the draft's own top-K tokens ``S_t``, both distributions
+  renormalized on ``S_t``: reverse KL ``KL(q || p)`` plus a density regularizer,
+  the target's mass at the draft's K-th token times the draft's entropy on
+  ``S_t`` (sharpens the draft where the top-K boundary is decided).
+- AtSpeed-R: total variation distance between the target's and the draft's
+  sequence probabilities on the target's top-K sequences, plus the per-level
+  TVD along them (a denser signal for the same goal).
+
+Example::
+
+    >>> teacher = make_teacher_data(target, item_tokens, tree, prompts, k=10)  # doctest: +SKIP
+    >>> draft = align_draft(sft_draft, teacher, "atspeed_s", preset)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from genrec.offline.splits import Split
+from genrec.offline.training.target import TrainResult, make_optimizer, train_target
+from genrec.online.models.generative import PrefixTree, _left_pad, decode_batched
+from genrec.online.models.presets import ModelPreset, build_draft, item_logits, pick_device
+from genrec.online.prompts import ItemTokens, history_prompt
+
+ALIGNED_VARIANTS = ("atspeed_s", "atspeed_r")
+
+
+@dataclass
+class TeacherData:
+    """Target beams for a sample of training prompts.
+
+    ``beams``: [P, K, depth] token ids of the target's top-K items per prompt;
+    ``truth``: [P, depth] tokens of the true next item; ``target_log_probs``:
+    [P, K, depth, C] the target's log-probs over each level's codes along each
+    beam (-inf on invalid children; C = the widest level).
+    """
+
+    prompts: list[list[int]]
+    beams: torch.Tensor
+    truth: torch.Tensor
+    target_log_probs: torch.Tensor
+
+
+def sample_training_prompts(
+    split: Split, item_tokens: ItemTokens, history_items: int, count: int, seed: int = 0
+) -> tuple[list[list[int]], list[str]]:
+    """A seeded sample of (prompt, true next item) from every position of the training sequences."""
+    positions = [
+        (items, t)
+        for items in (item_tokens.known(s) for s in split.train.values())
+        for t in range(1, len(items))
+    ]
+    if not positions:
+        raise ValueError("no training positions: every user needs at least two known items")
+    rng = np.random.default_rng(seed)
+    chosen = rng.choice(len(positions), size=min(count, len(positions)), replace=False)
+    prompts, truths = [], []
+    for index in chosen:
+        items, t = positions[index]
+        prompts.append(history_prompt(items[:t], item_tokens, history_items))
+        truths.append(items[t])
+    return prompts, truths
+
+
+def level_log_probs(logits: torch.Tensor, prefixes: torch.Tensor, tree: PrefixTree) -> torch.Tensor:
+    """Log-probs per level along given items, renormalized over valid children.
+
+    ``logits``: [..., depth, V_item] item logits at the position before each
+    level's token; ``prefixes``: [..., depth] the items' tokens. Returns
+    [..., depth, C] (C = widest level; -inf on invalid or padding codes).
+    """
+    layout = tree.layout
+    widest = max(layout.codes_per_level)
+    nodes = torch.zeros(prefixes.shape[:-1], dtype=torch.long, device=logits.device)
+    levels = []
+    for level, size in enumerate(layout.codes_per_level):
+        start = layout.level_start(level) - layout.item_token_start
+        allowed = tree.children[level][nodes] >= 0
+        masked = logits[..., level, start : start + size].masked_fill(~allowed, float("-inf"))
+        log_probs = torch.log_softmax(masked, dim=-1)
+        log_probs = torch.where(allowed, log_probs, torch.full_like(log_probs, float("-inf")))
+        levels.append(torch.nn.functional.pad(log_probs, (0, widest - size), value=float("-inf")))
+        code = (prefixes[..., level] - layout.level_start(level)).clamp(0, size - 1)
+        nodes = tree.children[level][nodes, code].clamp(min=0)
+    return torch.stack(levels, dim=-2)
+
+
+def beam_logits(model, layout, prompts: Sequence[Sequence[int]], suffixes: torch.Tensor):
+    """Teacher-forced item logits along ``suffixes`` [b, R, depth] after each prompt.
+
+    Returns [b, R, depth, V_item]: index t is the distribution of level t. The
+    prompt is prefilled once; its KV cache is shared by the R suffixes.
+    """
+    device = suffixes.device
+    batch, rows, depth = suffixes.shape
+    ids, mask, positions = _left_pad(prompts, layout.pad_token_id, device)
+    first, cache = item_logits(model, layout, ids, mask, positions, use_cache=True)
+    expand = torch.arange(batch, device=device).repeat_interleave(rows)
+    cache.batch_select_indices(expand)
+    mask = torch.cat([mask[expand], torch.ones((batch * rows, depth - 1), dtype=mask.dtype,
+                                               device=device)], dim=1)  # fmt: skip
+    steps = positions[expand, -1:] + torch.arange(1, depth, device=device)
+    rest, _ = item_logits(
+        model, layout, suffixes.reshape(batch * rows, depth)[:, :-1], mask, steps, cache,
+        use_cache=True,
+    )  # fmt: skip
+    first = first[:, -1:, :].repeat_interleave(rows, dim=0)
+    return torch.cat([first, rest], dim=1).view(batch, rows, depth, -1)
+
+
+@torch.no_grad()
+def make_teacher_data(
+    target,
+    item_tokens: ItemTokens,
+    tree: PrefixTree,
+    prompts: list[list[int]],
+    truths: Sequence[str],
+    k: int,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> TeacherData:
+    """The target's top-``k`` beams and per-level log-probs for each prompt (batched)."""
+    target.eval()
+    device = next(target.parameters()).device
+    # level_log_probs indexes the trie with tensors on the model's device
+    tree = tree.to(device)
+    decoded = decode_batched(target, tree, prompts, k, batch_size=batch_size, progress=progress)
+    if (decoded.item_index < 0).any():
+        raise ValueError(f"teacher beams need at least k={k} items in the catalog")
+    beams = decoded.tokens.to(device)
+    log_probs = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="teacher logits",
+                      disable=not progress, leave=False):  # fmt: skip
+        chunk = beams[start : start + batch_size]
+        logits = beam_logits(target, item_tokens.layout, prompts[start : start + batch_size], chunk)
+        log_probs.append(level_log_probs(logits.float(), chunk, tree).cpu())
+    truth = torch.as_tensor(np.stack([item_tokens.tokens_of(i) for i in truths]))
+    return TeacherData(prompts, beams.cpu(), truth, torch.cat(log_probs))
+
+
+# --- alignment losses ---------------------------------------------------------------
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def atspeed_s_loss(draft_lp: torch.Tensor, target_lp: torch.Tensor, k: int) -> torch.Tensor:
+    """Reverse KL on the draft's top-k tokens + density regularizer; inputs [..., C] log-probs."""
+    valid = torch.isfinite(draft_lp).sum(-1).clamp(min=1)
+    top = draft_lp.topk(min(k, draft_lp.shape[-1]), dim=-1)
+    in_set = torch.arange(top.indices.shape[-1], device=draft_lp.device) < valid[..., None]
+    # Finite stand-ins outside S_t keep every gradient finite (no inf - inf anywhere).
+    very_low = -1e4
+    q = torch.log_softmax(top.values.clamp(min=very_low).masked_fill(~in_set, very_low), dim=-1)
+    p_on_set = target_lp.gather(-1, top.indices).clamp(min=very_low)
+    p = torch.log_softmax(p_on_set.masked_fill(~in_set, very_low), dim=-1)
+    q_prob = q.exp() * in_set
+    reverse_kl = (q_prob * (q - p)).sum(-1)
+    entropy = -(q_prob * q).sum(-1)
+    last = (valid.clamp(max=top.indices.shape[-1]) - 1)[..., None]
+    boundary_mass = target_lp.gather(-1, top.indices.gather(-1, last)).squeeze(-1).exp()
+    return (reverse_kl + _finite(boundary_mass.detach()) * entropy).mean()
+
+
+def atspeed_r_loss(draft_lp: torch.Tensor, target_lp: torch.Tensor, beams_codes) -> torch.Tensor:
+    """TVD of sequence probabilities on the target's top-K beams, plus per-level TVD.
+
+    ``draft_lp``/``target_lp``: [b, K, depth, C]; ``beams_codes``: [b, K, depth] code indices.
+    """
+    draft_seq = draft_lp.gather(-1, beams_codes[..., None]).squeeze(-1).sum(-1).exp()
+    target_seq = target_lp.gather(-1, beams_codes[..., None]).squeeze(-1).sum(-1).exp()
+    sequence_tvd = 0.5 * (draft_seq - target_seq).abs().sum(-1).mean()
+    level_tvd = 0.5 * _finite(draft_lp.exp() - target_lp.exp()).abs().sum(-1).mean()
+    return sequence_tvd + level_tvd
+
+
+def truth_cross_entropy(draft_lp: torch.Tensor, truth_codes: torch.Tensor) -> torch.Tensor:
+    """CE of the true next item's codes; ``draft_lp`` [b, depth, C], ``truth_codes`` [b, depth]."""
+    picked = draft_lp.gather(-1, truth_codes[..., None]).squeeze(-1)
+    return -picked.clamp(min=-1e4).mean()
+
+
+# --- training ---------------------------------------------------------------------
+
+
+def train_sft_draft(
+    item_tokens: ItemTokens, split: Split, preset: ModelPreset, history_items: int,
+    seed: int = 0, progress: bool = True,
+) -> TrainResult:  # fmt: skip
+    """The plain SFT draft: the target's training recipe on the draft architecture.
+
+    Windows stay in stored time order (no ``reverse_windows``, no ``shuffle_ties``): the
+    draft only ever has to follow the target on prompts in that order. It gets the same
+    kind of co-occurrence item vectors as the target (``item_vector_dim``, its own
+    projection): with them its top-K agrees more with a target that has them.
+    """
+    # --max-steps caps the target only: the draft keeps its own epochs.
+    schedule = dataclasses.replace(preset, max_steps=None).with_overrides(
+        name=f"{preset.name}-draft", epochs=preset.draft_epochs, lr=preset.draft_lr,
+        eval_every=preset.draft_epochs, dropout=0.0, weight_decay=0.0,
+        time_budget_s=preset.draft_time_budget_s, reverse_windows=0.0, shuffle_ties=False,
+        ema_decay=0.0,
+    )  # fmt: skip
+    draft = build_draft(preset, item_tokens.layout)
+    return train_target(item_tokens, split, schedule, history_items, model=draft, seed=seed,
+                        progress=progress, valid_limit=300)  # fmt: skip
+
+
+def align_draft(
+    sft_draft,
+    teacher: TeacherData,
+    variant: str,
+    tree: PrefixTree,
+    preset: ModelPreset,
+    align_weight: float = 0.9,
+    k: int | None = None,
+    batch_size: int = 16,
+    seed: int = 0,
+    progress: bool = True,
+) -> TrainResult:
+    """AtSpeed-S or AtSpeed-R fine-tuning of a copy of ``sft_draft`` on ``teacher``."""
+    if variant not in ALIGNED_VARIANTS:
+        raise ValueError(f"variant must be one of {ALIGNED_VARIANTS}, got {variant!r}")
+    torch.manual_seed(seed)
+    device = pick_device()
+    layout = tree.layout
+    draft = copy.deepcopy(sft_draft).to(device).train()
+    # level_log_probs indexes the trie with node ids on the draft's device ("cuda:0", which
+    # ItemTrie.to matches; "cuda" would make it copy the trie again)
+    tree = tree.to(next(draft.parameters()).device)
+    k = k or teacher.beams.shape[1]
+    offsets = torch.as_tensor([layout.level_start(i) for i in range(layout.depth)])
+    count = len(teacher.prompts)
+    total_steps = preset.draft_epochs * -(-count // batch_size)
+    optimizer, schedule = make_optimizer(draft, preset.draft_lr / 2, 0.0, total_steps)
+    curve: list[float] = []
+    step = 0
+    started = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    bar = tqdm(total=total_steps, desc=f"draft {variant}", disable=not progress)
+    for _epoch in range(preset.draft_epochs):
+        losses = []
+        order = torch.as_tensor(rng.permutation(count))
+        for start in range(0, count, batch_size):
+            index = order[start : start + batch_size]
+            beams = teacher.beams[index].to(device)
+            truth = teacher.truth[index].to(device)
+            suffixes = torch.cat([beams, truth[:, None]], dim=1)
+            logits = beam_logits(draft, layout, [teacher.prompts[i] for i in index], suffixes)
+            draft_lp = level_log_probs(logits.float(), suffixes, tree)
+            target_lp = teacher.target_log_probs[index].to(device)
+            ce = truth_cross_entropy(draft_lp[:, -1], truth - offsets.to(device))
+            if variant == "atspeed_s":
+                align = atspeed_s_loss(draft_lp[:, :-1], target_lp, k)
+            else:
+                align = atspeed_r_loss(draft_lp[:, :-1], target_lp, beams - offsets.to(device))
+            loss = (1 - align_weight) * ce + align_weight * align
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            step += 1
+            schedule(step / total_steps)
+            losses.append(loss.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
+        curve.append(float(np.mean(losses)))
+    bar.close()
+    draft.eval()
+    return TrainResult(draft, {"train_loss": curve}, {"final_loss": curve[-1]},
+                       time.perf_counter() - started)  # fmt: skip

@@ -1,0 +1,529 @@
+"""Traditional recall branches (online step): the fitted branches, queried when serving.
+
+Fitting them on the behavior store is the offline step (``genrec.offline.recall``).
+
+Three branches, each fitted on users' time-ordered item sequences and then asked
+for one user's top-k items given that user's history:
+
+- ``PopularityBranch``: recency-weighted item counts (exponential decay with a
+  half-life measured back from the latest fitted event; ``half_life_days=None``
+  gives plain counts).
+- ``ItemCFBranch``: item-item co-occurrence within a window of consecutive items
+  of each sequence (weighted by distance), cosine normalized; a user's score is a
+  recency-weighted sum over the similarity rows of the last ``last_m`` items.
+- ``AnnBranch``: user vector = decayed mean of the history's item embeddings,
+  searched in a FAISS inner-product index over normalized item embeddings.
+
+Fitted state is a versioned artifact without pickle: ``manifest.json`` (kind,
+format, parameters, item ids) plus ``arrays.npz`` read with
+``allow_pickle=False``. ``load_branch(folder)`` reopens any of them.
+
+Example::
+
+    >>> sequences = {"u1": ["a", "b", "c"], "u2": ["a", "b", "d"], "u3": ["b", "c"]}
+    >>> branch = ItemCFBranch.fit(sequences, item_ids=["a", "b", "c", "d"], window=2)
+    >>> [item for item, _ in branch.recommend(["a"], k=2, exclude={"a"})]
+    ['b', 'd']
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+from scipy import sparse
+
+FORMAT = "genrec.recall/1"
+MS_PER_DAY = 86_400_000
+Recommendation = tuple[str, float]
+
+
+class RecallBranch:
+    """What every branch shares: the item vocabulary, top-k selection, save and load."""
+
+    kind: ClassVar[str] = ""
+
+    def __init__(self, item_ids: Sequence[str], params: dict[str, Any]) -> None:
+        self.item_ids = list(item_ids)
+        self.item_index = {item_id: i for i, item_id in enumerate(self.item_ids)}
+        if len(self.item_index) != len(self.item_ids):
+            raise ValueError(f"{self.kind}: item ids must be unique")
+        self.params = dict(params)
+
+    # --- to override -------------------------------------------------------
+
+    def score_batch(
+        self, histories: Sequence[Sequence[str]], timestamps_ms: Sequence[Sequence[int] | None]
+    ) -> np.ndarray:
+        """Scores (users x items); items without any evidence get 0."""
+        raise NotImplementedError
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_arrays(
+        cls, item_ids: list[str], params: dict[str, Any], arrays: Mapping[str, np.ndarray]
+    ) -> RecallBranch:
+        raise NotImplementedError
+
+    # --- shared ------------------------------------------------------------
+
+    def recommend(
+        self,
+        history: Sequence[str],
+        k: int,
+        exclude: Iterable[str] | None = None,
+        timestamps_ms: Sequence[int] | None = None,
+    ) -> list[Recommendation]:
+        """Top-k (item_id, score) for one user, best first, ``exclude`` left out."""
+        return self.recommend_batch([history], k, [exclude], [timestamps_ms])[0]
+
+    def recommend_batch(
+        self,
+        histories: Sequence[Sequence[str]],
+        k: int,
+        excludes: Sequence[Iterable[str] | None] | None = None,
+        timestamps_ms: Sequence[Sequence[int] | None] | None = None,
+        chunk_size: int = 1024,
+    ) -> list[list[Recommendation]]:
+        """``recommend`` for many users at once; only items with a positive score come back."""
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        excludes = excludes if excludes is not None else [None] * len(histories)
+        timestamps_ms = timestamps_ms if timestamps_ms is not None else [None] * len(histories)
+        if not len(excludes) == len(timestamps_ms) == len(histories):
+            raise ValueError("histories, excludes and timestamps_ms must have the same length")
+        results: list[list[Recommendation]] = []
+        for start in range(0, len(histories), chunk_size):
+            stop = start + chunk_size
+            scores = self.score_batch(histories[start:stop], timestamps_ms[start:stop])
+            for row, exclude in zip(scores, excludes[start:stop], strict=True):
+                results.append(self._top_k(row, k, exclude))
+        return results
+
+    def _top_k(
+        self, scores: np.ndarray, k: int, exclude: Iterable[str] | None
+    ) -> list[Recommendation]:
+        scores = np.asarray(scores, dtype=np.float64).copy()
+        if exclude:
+            excluded = [self.item_index[i] for i in exclude if i in self.item_index]
+            scores[excluded] = -np.inf
+        k = min(k, len(scores))
+        candidates = (
+            np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+        )
+        # ties broken by catalog position, so results are deterministic
+        order = candidates[np.lexsort((candidates, -scores[candidates]))]
+        return [(self.item_ids[i], float(scores[i])) for i in order if scores[i] > 0]
+
+    def indices(self, history: Sequence[str]) -> np.ndarray:
+        """Catalog positions of the history's known items (unknown ones are skipped)."""
+        return np.fromiter(
+            (self.item_index[i] for i in history if i in self.item_index), dtype=np.int64
+        )
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``arrays.npz`` then ``manifest.json`` (last, so a complete folder has one)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        np.savez(folder / "arrays.npz", **self.arrays())
+        manifest = {
+            "format": FORMAT,
+            "kind": self.kind,
+            "params": self.params,
+            "item_ids": self.item_ids,
+            "saved_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        tmp = folder / "manifest.json.tmp"
+        tmp.write_text(json.dumps(manifest))
+        tmp.replace(folder / "manifest.json")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> RecallBranch:
+        branch = load_branch(folder)
+        if not isinstance(branch, cls):
+            raise ValueError(f"{folder} holds a {branch.kind!r} branch, not {cls.kind!r}")
+        return branch
+
+
+def load_branch(folder: str | Path) -> RecallBranch:
+    """Reopen a branch saved by ``save``; arrays are read without pickle."""
+    folder = Path(folder)
+    manifest_path = folder / "manifest.json"
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"no recall branch in {folder} (manifest.json missing)")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{folder}: unknown recall format {manifest.get('format')!r}")
+    kinds = {c.kind: c for c in (PopularityBranch, ItemCFBranch, AnnBranch)}
+    if manifest.get("kind") not in kinds:
+        raise ValueError(f"{folder}: unknown recall branch kind {manifest.get('kind')!r}")
+    with np.load(folder / "arrays.npz", allow_pickle=False) as npz:
+        arrays = {name: npz[name] for name in npz.files}
+    return kinds[manifest["kind"]].from_arrays(manifest["item_ids"], manifest["params"], arrays)
+
+
+def _vocabulary(
+    sequences: Mapping[str, Sequence[str]], item_ids: Sequence[str] | None
+) -> list[str]:
+    if item_ids is not None:
+        return list(item_ids)
+    return sorted({item for sequence in sequences.values() for item in sequence})
+
+
+# --- popularity ---------------------------------------------------------------
+
+
+class PopularityBranch(RecallBranch):
+    """The same recency-weighted popular items for everyone (minus what they have seen)."""
+
+    kind = "popularity"
+
+    def __init__(self, item_ids: Sequence[str], params: dict[str, Any], scores: np.ndarray) -> None:
+        super().__init__(item_ids, params)
+        self.scores = np.asarray(scores, dtype=np.float64)
+
+    @classmethod
+    def fit(
+        cls,
+        sequences: Mapping[str, Sequence[str]],
+        item_ids: Sequence[str] | None = None,
+        timestamps_ms: Mapping[str, Sequence[int]] | None = None,
+        half_life_days: float | None = 30.0,
+    ) -> PopularityBranch:
+        """Counts each event with weight 0.5 ** (age / half-life), age from the latest event."""
+        if half_life_days is not None and (half_life_days <= 0 or timestamps_ms is None):
+            raise ValueError("recency weighting needs timestamps_ms and half_life_days > 0")
+        vocabulary = _vocabulary(sequences, item_ids)
+        index = {item: i for i, item in enumerate(vocabulary)}
+        positions: list[int] = []
+        stamps: list[int] = []
+        for user, sequence in sequences.items():
+            user_stamps = timestamps_ms[user] if timestamps_ms is not None else [0] * len(sequence)
+            if len(user_stamps) != len(sequence):
+                raise ValueError(
+                    f"user {user}: {len(sequence)} items but {len(user_stamps)} timestamps"
+                )
+            for item, ts in zip(sequence, user_stamps, strict=True):
+                if item in index:
+                    positions.append(index[item])
+                    stamps.append(ts)
+        ts = np.asarray(stamps, dtype=np.float64)
+        latest = float(ts.max()) if len(ts) else 0.0
+        if half_life_days is None:
+            weights = np.ones_like(ts)
+        else:
+            weights = 0.5 ** ((latest - ts) / (half_life_days * MS_PER_DAY))
+        scores = np.bincount(
+            np.asarray(positions, dtype=np.int64), weights, minlength=len(vocabulary)
+        )
+        params = {
+            "half_life_days": half_life_days,
+            "reference_ts_ms": int(latest),
+            "events": len(ts),
+        }
+        return cls(vocabulary, params, scores)
+
+    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
+        return np.broadcast_to(self.scores, (len(histories), len(self.scores)))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"scores": self.scores}
+
+    @classmethod
+    def from_arrays(cls, item_ids, params, arrays) -> PopularityBranch:
+        return cls(item_ids, params, arrays["scores"])
+
+
+# --- item-CF --------------------------------------------------------------------
+
+
+def cooccurrence_matrix(
+    sequences: Iterable[Sequence[int]],
+    n_items: int,
+    window: int,
+    distance_decay: float = 1.0,
+    backward_weight: float = 1.0,
+) -> sparse.csr_matrix:
+    """C[i, j] = sum over pairs (i before j, at most ``window`` apart) of decay ** (distance - 1).
+
+    Pairs where j came before i get ``backward_weight`` times that. Repeated pairs count
+    once per occurrence.
+    """
+    rows: list[np.ndarray] = []
+    cols: list[np.ndarray] = []
+    vals: list[np.ndarray] = []
+    for sequence in sequences:
+        seq = np.asarray(sequence, dtype=np.int64)
+        for distance in range(1, min(window, len(seq) - 1) + 1):
+            earlier, later = seq[:-distance], seq[distance:]
+            weight = np.full(len(earlier), distance_decay ** (distance - 1))
+            rows += [earlier, later]
+            cols += [later, earlier]
+            vals += [weight, weight * backward_weight]
+    if not rows:
+        return sparse.csr_matrix((n_items, n_items))
+    matrix = sparse.coo_matrix(
+        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))),
+        shape=(n_items, n_items),
+    ).tocsr()
+    matrix.setdiag(0)
+    matrix.eliminate_zeros()
+    return matrix
+
+
+def _keep_top_per_row(matrix: sparse.csr_matrix, top: int) -> sparse.csr_matrix:
+    """Only the ``top`` largest entries of each row (bounds size and online latency)."""
+    matrix = matrix.tocsr()
+    keep = np.zeros(matrix.nnz, dtype=bool)
+    for row in range(matrix.shape[0]):
+        start, stop = matrix.indptr[row], matrix.indptr[row + 1]
+        if stop - start <= top:
+            keep[start:stop] = True
+        else:
+            best = np.argpartition(-matrix.data[start:stop], top - 1)[:top]
+            keep[start + best] = True
+    matrix.data = np.where(keep, matrix.data, 0.0)
+    matrix.eliminate_zeros()
+    return matrix
+
+
+class ItemCFBranch(RecallBranch):
+    """Windowed co-occurrence item-CF; a user's last ``last_m`` items vote for their neighbors."""
+
+    kind = "itemcf"
+
+    def __init__(self, item_ids, params, similarity: sparse.csr_matrix) -> None:
+        super().__init__(item_ids, params)
+        self.similarity = similarity.tocsr().astype(np.float32)
+
+    @classmethod
+    def fit(
+        cls,
+        sequences: Mapping[str, Sequence[str]],
+        item_ids: Sequence[str] | None = None,
+        window: int = 5,
+        distance_decay: float = 0.8,
+        backward_weight: float = 1.0,
+        last_m: int = 10,
+        recency_decay: float = 0.7,
+        top_neighbors: int = 200,
+    ) -> ItemCFBranch:
+        """S[i, j] = C[i, j] / sqrt(n_i * n_j), n_i = occurrences of item i."""
+        if window < 1 or last_m < 1 or top_neighbors < 1:
+            raise ValueError("window, last_m and top_neighbors must be >= 1")
+        vocabulary = _vocabulary(sequences, item_ids)
+        index = {item: i for i, item in enumerate(vocabulary)}
+        encoded = [[index[i] for i in seq if i in index] for seq in sequences.values()]
+        counts = np.bincount(
+            np.concatenate(
+                [np.asarray(s, dtype=np.int64) for s in encoded] or [np.zeros(0, np.int64)]
+            ),
+            minlength=len(vocabulary),
+        )
+        co = cooccurrence_matrix(encoded, len(vocabulary), window, distance_decay, backward_weight)
+        inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1).astype(np.float64))
+        similarity = sparse.diags(inv_norm) @ co @ sparse.diags(inv_norm)
+        similarity = _keep_top_per_row(similarity, top_neighbors)
+        params = {
+            "window": window,
+            "distance_decay": distance_decay,
+            "backward_weight": backward_weight,
+            "last_m": last_m,
+            "recency_decay": recency_decay,
+            "top_neighbors": top_neighbors,
+        }
+        return cls(vocabulary, params, similarity)
+
+    def user_weights(self, histories: Sequence[Sequence[str]]) -> sparse.csr_matrix:
+        """(users x items): recency_decay ** (steps back) on each user's last ``last_m`` items."""
+        last_m, decay = self.params["last_m"], self.params["recency_decay"]
+        rows, cols, vals = [], [], []
+        for row, history in enumerate(histories):
+            recent = self.indices(history)[-last_m:]
+            rows.append(np.full(len(recent), row))
+            cols.append(recent)
+            vals.append(decay ** np.arange(len(recent) - 1, -1, -1, dtype=np.float64))
+        shape = (len(histories), len(self.item_ids))
+        if not rows:
+            return sparse.csr_matrix(shape)
+        return sparse.csr_matrix(
+            (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=shape
+        )
+
+    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
+        return (self.user_weights(histories) @ self.similarity).toarray()
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        s = self.similarity
+        return {
+            "data": s.data,
+            "indices": s.indices,
+            "indptr": s.indptr,
+            "shape": np.asarray(s.shape),
+        }
+
+    @classmethod
+    def from_arrays(cls, item_ids, params, arrays) -> ItemCFBranch:
+        shape = tuple(int(n) for n in arrays["shape"])
+        similarity = sparse.csr_matrix(
+            (arrays["data"], arrays["indices"], arrays["indptr"]), shape=shape
+        )
+        return cls(item_ids, params, similarity)
+
+
+# --- embedding ANN ---------------------------------------------------------------
+
+
+def normalize_rows(vectors: np.ndarray) -> np.ndarray:
+    vectors = np.asarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    return vectors / np.maximum(norms, 1e-12)
+
+
+def cooccurrence_embeddings(
+    sequences: Mapping[str, Sequence[str]],
+    item_ids: Sequence[str],
+    dim: int = 128,
+    window: int = 20,
+    dense_max_items: int = 4000,
+) -> np.ndarray:
+    """Collaborative item embeddings: the top eigenvectors of the cosine-normalized co-occurrence.
+
+    E = V * sqrt(lambda) over the ``dim`` largest eigenvalues, so E @ E.T is the best
+    rank-``dim`` positive approximation of the similarity. Dense ``eigh`` for small
+    catalogs (fast, exact), sparse ``eigsh`` above ``dense_max_items``. Items never
+    seen get a zero row (ANN then never recalls them).
+    """
+    index = {item: i for i, item in enumerate(item_ids)}
+    encoded = [[index[i] for i in seq if i in index] for seq in sequences.values()]
+    co = cooccurrence_matrix(encoded, len(item_ids), window).astype(np.float64)
+    co = (co + co.T) / 2  # symmetric whatever the backward weight
+    counts = np.asarray(co.sum(axis=1)).ravel()
+    inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1e-12))
+    normalized = sparse.diags(inv_norm) @ co @ sparse.diags(inv_norm)
+    dim = max(1, min(dim, len(item_ids) - 2))
+    if len(item_ids) <= dense_max_items:
+        from scipy.linalg import eigh
+
+        n = len(item_ids)
+        values, vectors = eigh(normalized.toarray(), subset_by_index=[n - dim, n - 1])
+    else:
+        from scipy.sparse.linalg import eigsh
+
+        # deterministic start vector, so the same data gives the same embeddings
+        v0 = np.ones(len(item_ids)) / math.sqrt(len(item_ids))
+        values, vectors = eigsh(normalized, k=dim, which="LA", v0=v0)
+    embeddings = vectors * np.sqrt(np.maximum(values, 0.0))
+    embeddings[counts == 0] = 0.0
+    return embeddings.astype(np.float32)
+
+
+class AnnBranch(RecallBranch):
+    """Nearest items to the user's decayed mean embedding (FAISS inner product on unit vectors)."""
+
+    kind = "ann"
+
+    def __init__(self, item_ids, params, embeddings: np.ndarray) -> None:
+        super().__init__(item_ids, params)
+        import faiss
+
+        self.embeddings = normalize_rows(embeddings)
+        if self.embeddings.shape[0] != len(self.item_ids):
+            raise ValueError(
+                f"ann: {self.embeddings.shape[0]} embeddings for {len(self.item_ids)} items"
+            )
+        self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
+        self.index.add(self.embeddings)
+
+    @classmethod
+    def fit(
+        cls,
+        item_ids: Sequence[str],
+        embeddings: np.ndarray,
+        last_m: int = 20,
+        half_life_items: float | None = 2.0,
+        half_life_days: float | None = None,
+        source: str = "given",
+    ) -> AnnBranch:
+        """Fitting is just keeping the (normalized) embeddings and the decay settings."""
+        for name, value in (
+            ("half_life_items", half_life_items),
+            ("half_life_days", half_life_days),
+        ):
+            if value is not None and value <= 0:
+                raise ValueError(f"ann: {name} must be > 0 or None, got {value}")
+        params = {
+            "last_m": last_m,
+            "half_life_items": half_life_items,
+            "half_life_days": half_life_days,
+            "source": source,
+        }
+        return cls(item_ids, params, embeddings)
+
+    def history_weights(self, steps_back: np.ndarray, age_ms: np.ndarray | None) -> np.ndarray:
+        """0.5 ** (steps back / half-life in items) * 0.5 ** (age / half-life in days); None disables."""
+        weights = np.ones(len(steps_back))
+        if self.params["half_life_items"] is not None:
+            weights *= 0.5 ** (steps_back / self.params["half_life_items"])
+        if age_ms is not None and self.params["half_life_days"] is not None:
+            weights *= 0.5 ** (age_ms / (self.params["half_life_days"] * MS_PER_DAY))
+        return weights
+
+    def user_vectors(
+        self, histories: Sequence[Sequence[str]], timestamps_ms: Sequence[Sequence[int] | None]
+    ) -> np.ndarray:
+        """Decayed mean of the embeddings of the last ``last_m`` known history items."""
+        vectors = np.zeros((len(histories), self.embeddings.shape[1]), dtype=np.float32)
+        for row, (history, stamps) in enumerate(zip(histories, timestamps_ms, strict=True)):
+            known = [i for i, item in enumerate(history) if item in self.item_index]
+            known = known[-self.params["last_m"] :]
+            if not known:
+                continue
+            steps_back = np.asarray([len(history) - 1 - i for i in known], dtype=np.float64)
+            age_ms = None
+            if stamps is not None:
+                if len(stamps) != len(history):
+                    raise ValueError(f"{len(history)} history items but {len(stamps)} timestamps")
+                age_ms = np.asarray([stamps[-1] - stamps[i] for i in known], dtype=np.float64)
+            weights = self.history_weights(steps_back, age_ms)
+            positions = [self.item_index[history[i]] for i in known]
+            vectors[row] = weights @ self.embeddings[positions] / weights.sum()
+        return normalize_rows(vectors)
+
+    def recommend_batch(self, histories, k, excludes=None, timestamps_ms=None, chunk_size=1024):
+        """Searches k + |exclude| neighbors so that k survive the exclusion."""
+        if k <= 0:
+            raise ValueError(f"k must be positive, got {k}")
+        excludes = excludes if excludes is not None else [None] * len(histories)
+        timestamps_ms = timestamps_ms if timestamps_ms is not None else [None] * len(histories)
+        excluded = [set(e) if e else set() for e in excludes]
+        depth = min(len(self.item_ids), k + max((len(e) for e in excluded), default=0))
+        vectors = self.user_vectors(histories, timestamps_ms)
+        scores, positions = self.index.search(vectors, depth) if len(histories) else ([], [])
+        results = []
+        for row_scores, row_positions, exclude in zip(scores, positions, excluded, strict=True):
+            ranked = [
+                (self.item_ids[p], float(s))
+                for s, p in zip(row_scores, row_positions, strict=True)
+                if p >= 0 and s > 0 and self.item_ids[p] not in exclude
+            ]
+            results.append(ranked[:k])
+        return results
+
+    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
+        return self.user_vectors(histories, timestamps_ms) @ self.embeddings.T
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {"embeddings": self.embeddings}
+
+    @classmethod
+    def from_arrays(cls, item_ids, params, arrays) -> AnnBranch:
+        return cls(item_ids, params, arrays["embeddings"])

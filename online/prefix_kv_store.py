@@ -1,0 +1,306 @@
+"""The prefix-KV store: each user's precomputed long-history KV cache, per KV version.
+
+Written by the offline refresh (``genrec.offline.refresh``), read by the online
+workers. A KV version is written completely *before* the serving version that
+names it is activated, and readers only look up the active version, so a
+half-written version is never seen. ``KVStore`` is the interface; the default
+backend keeps one safetensors file per user under a version directory and an
+index row per user in the database (``prefix_kv_index``). A shared backend
+(object store, shared filesystem) implements the same five methods and is
+registered in ``BACKENDS``.
+
+Layout of the local backend::
+
+    kv_dir/v000007/3f/3fa2...e1.safetensors    # sha1(user_id), sharded by 2 hex digits
+
+Example::
+
+    >>> from genrec.infra.database import make_engine
+    >>> from genrec.infra.settings import Settings
+    >>> settings = Settings(home="/tmp/genrec-kv-doc")
+    >>> store = open_kv_store(settings, make_engine("sqlite:///:memory:"))
+    >>> store.lookup(1, "user-1") is None
+    True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from sqlalchemy import Engine, delete, func, insert, select
+
+from genrec.schemas.tables import prefix_kv_index
+
+log = logging.getLogger(__name__)
+
+PrefixKV = (
+    Any  # genrec.online.decoding.prefix_kv.PrefixKV; kept loose so this module stays torch-free
+)
+
+
+@dataclass(frozen=True)
+class PrefixKVEntry:
+    """Index row of one user's prefix KV in one KV version.
+
+    ``cutoff_*`` name the user's newest stored event the prefix covers: the
+    largest ``events.id`` the refresh read for this user, with its ``ts_ms``
+    and ``event_id``. Online, the suffix is the user's events with a larger
+    ``events.id``. ``path`` is relative to the backend's root; ``nbytes`` is
+    filled in by the store when written.
+    """
+
+    user_id: str
+    kv_version: int
+    model_version: str
+    cutoff_event_row: int
+    cutoff_ts_ms: int
+    cutoff_event_id: str
+    n_tokens: int
+    nbytes: int = 0
+    path: str = ""
+    prompt_sha1: str | None = None  # hash of the prompt tokens: lets the next refresh reuse it
+
+
+class KVStore(Protocol):
+    def put_many(
+        self, kv_version: int, entries_and_prefix_kvs: Iterable[tuple[PrefixKVEntry, PrefixKV]]
+    ) -> None: ...
+
+    def lookup(self, kv_version: int, user_id: str) -> PrefixKVEntry | None: ...
+
+    def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV: ...
+
+    def sizes(self, kv_version: int) -> dict[str, float]: ...
+
+    def garbage_collect(self, keep_versions: Iterable[int]) -> int: ...
+
+
+class PrefixKVCodec(Protocol):
+    """How a PrefixKV becomes a file and back (the decoder's safetensors format by default)."""
+
+    def save(self, path: Path, prefix_kv: PrefixKV) -> None: ...
+
+    def load(self, path: Path, expected_model_version: Any) -> PrefixKV: ...
+
+
+class DecoderCodec:
+    """``genrec.online.decoding.prefix_kv``'s save/load, imported on first use (torch is heavy)."""
+
+    def save(self, path: Path, prefix_kv: PrefixKV) -> None:
+        from genrec.online.decoding.prefix_kv import save_prefix_kv
+
+        save_prefix_kv(path, prefix_kv)
+
+    def load(self, path: Path, expected_model_version: Any) -> PrefixKV:
+        from genrec.online.decoding.prefix_kv import load_prefix_kv
+
+        return load_prefix_kv(path, expected_model_version)
+
+
+def version_dir_name(kv_version: int) -> str:
+    return f"v{int(kv_version):06d}"
+
+
+class LocalDirKVStore:
+    """One file per user under ``root/vNNNNNN/``; an index row per user in the database."""
+
+    def __init__(self, root: Path, engine: Engine, codec: PrefixKVCodec | None = None) -> None:
+        self.root = Path(root)
+        self.engine = engine
+        self.codec = codec or DecoderCodec()
+
+    def relative_path(self, kv_version: int, user_id: str) -> str:
+        digest = hashlib.sha1(user_id.encode("utf-8")).hexdigest()
+        return f"{version_dir_name(kv_version)}/{digest[:2]}/{digest}.safetensors"
+
+    def put_many(
+        self, kv_version: int, entries_and_prefix_kvs: Iterable[tuple[PrefixKVEntry, PrefixKV]]
+    ) -> None:
+        """Write each file (temp name, then rename), then index the batch in one transaction."""
+        rows = []
+        for entry, prefix_kv in entries_and_prefix_kvs:
+            _check_version(entry, kv_version)
+            relative = self.relative_path(kv_version, entry.user_id)
+            target = self.root / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+            self.codec.save(partial, prefix_kv)
+            os.replace(partial, target)
+            rows.append(_row(entry, relative, target.stat().st_size))
+        self._index(rows)
+
+    def reuse_many(
+        self, kv_version: int, new_and_old: Iterable[tuple[PrefixKVEntry, PrefixKVEntry]]
+    ) -> None:
+        """Index ``new`` entries whose file is ``old``'s (same model and prompt), by hard link.
+
+        The new entry keeps its own cutoff: a user whose new events all lack a
+        semantic ID has the same prompt but a later cutoff.
+        """
+        rows = []
+        for new, old in new_and_old:
+            _check_version(new, kv_version)
+            relative = self.relative_path(kv_version, new.user_id)
+            target = self.root / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                target.unlink()
+            try:
+                os.link(self.root / old.path, target)
+            except OSError:  # another filesystem, or links unsupported
+                shutil.copyfile(self.root / old.path, target)
+            rows.append(_row(new, relative, target.stat().st_size))
+        self._index(rows)
+
+    def lookup(self, kv_version: int, user_id: str) -> PrefixKVEntry | None:
+        query = select(prefix_kv_index).where(
+            prefix_kv_index.c.kv_version == kv_version, prefix_kv_index.c.user_id == user_id
+        )
+        with self.engine.connect() as connection:
+            row = connection.execute(query).mappings().first()
+        return _entry(row) if row else None
+
+    def entries(
+        self, kv_version: int, user_range: tuple[str, str] | None = None
+    ) -> dict[str, PrefixKVEntry]:
+        """Users' entries of one version (the refresh compares them with the next run).
+
+        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order).
+        """
+        query = select(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+        if user_range is not None:
+            first, last = user_range
+            user_id = prefix_kv_index.c.user_id
+            query = query.where(user_id >= first, user_id <= last)
+        with self.engine.connect() as connection:
+            return {row["user_id"]: _entry(row) for row in connection.execute(query).mappings()}
+
+    def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV:
+        """The user's PrefixKV; the codec raises if it was computed by another model version.
+
+        Model versions are compared as text (files and index store ``str(version)``).
+        """
+        path = self.root / entry.path
+        if not path.exists():
+            raise FileNotFoundError(f"prefix KV file of user {entry.user_id!r} is missing: {path}")
+        return self.codec.load(path, str(expected_model_version))
+
+    def sizes(self, kv_version: int) -> dict[str, float]:
+        """Users, total bytes, mean/max bytes per user and mean tokens of one version."""
+        c = prefix_kv_index.c
+        query = select(
+            func.count(), func.sum(c.nbytes), func.avg(c.nbytes), func.max(c.nbytes),
+            func.avg(c.n_tokens),
+        ).where(c.kv_version == kv_version)  # fmt: skip
+        with self.engine.connect() as connection:
+            users, total, mean, largest, tokens = connection.execute(query).one()
+        return {
+            "users": int(users),
+            "total_bytes": int(total or 0),
+            "mean_bytes_per_user": float(mean or 0.0),
+            "max_bytes_per_user": int(largest or 0),
+            "mean_tokens_per_user": float(tokens or 0.0),
+        }
+
+    def user_sizes(self, kv_version: int) -> dict[str, int]:
+        """Bytes per user of one version."""
+        c = prefix_kv_index.c
+        query = select(c.user_id, c.nbytes).where(c.kv_version == kv_version)
+        with self.engine.connect() as connection:
+            return {user_id: int(nbytes) for user_id, nbytes in connection.execute(query)}
+
+    def garbage_collect(self, keep_versions: Iterable[int]) -> int:
+        """Drop every version not in ``keep_versions`` (index rows first, then files).
+
+        Also removes directories left by killed runs. Call it only while holding
+        the refresh lock, so that no version is being written. Returns the
+        number of versions removed.
+        """
+        keep = {int(v) for v in keep_versions}
+        keep_names = {version_dir_name(v) for v in keep}
+        with self.engine.begin() as connection:
+            indexed = {
+                int(v)
+                for (v,) in connection.execute(select(prefix_kv_index.c.kv_version).distinct())
+            }
+            connection.execute(
+                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version.not_in(keep))
+            )
+        removed = {version_dir_name(v) for v in indexed - keep}
+        if self.root.exists():
+            for child in self.root.iterdir():
+                if child.is_dir() and child.name.startswith("v") and child.name not in keep_names:
+                    shutil.rmtree(child, ignore_errors=True)
+                    removed.add(child.name)
+        if removed:
+            log.info("prefix KV: removed versions %s", ", ".join(sorted(removed)))
+        return len(removed)
+
+    def discard(self, kv_version: int) -> None:
+        """Remove one (unactivated) version entirely: its index rows and its directory."""
+        with self.engine.begin() as connection:
+            connection.execute(
+                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+            )
+        shutil.rmtree(self.root / version_dir_name(kv_version), ignore_errors=True)
+
+    def _index(self, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            with self.engine.begin() as connection:
+                connection.execute(insert(prefix_kv_index), rows)
+
+
+def _check_version(entry: PrefixKVEntry, kv_version: int) -> None:
+    if entry.kv_version != kv_version:
+        raise ValueError(
+            f"entry of user {entry.user_id!r} says KV version {entry.kv_version}, "
+            f"written as {kv_version}"
+        )
+
+
+def _row(entry: PrefixKVEntry, relative: str, nbytes: int) -> dict[str, Any]:
+    return {
+        "kv_version": entry.kv_version,
+        "user_id": entry.user_id,
+        "model_version": str(entry.model_version),
+        "cutoff_event_row": entry.cutoff_event_row,
+        "cutoff_ts_ms": entry.cutoff_ts_ms,
+        "cutoff_event_id": entry.cutoff_event_id,
+        "n_tokens": entry.n_tokens,
+        "nbytes": nbytes,
+        "path": relative,
+        "prompt_sha1": entry.prompt_sha1,
+    }
+
+
+def _entry(row) -> PrefixKVEntry:
+    return PrefixKVEntry(**{key: row[key] for key in PrefixKVEntry.__dataclass_fields__})
+
+
+def _open_local(settings, engine: Engine) -> LocalDirKVStore:
+    return LocalDirKVStore(kv_root(settings), engine)
+
+
+# Backend name (settings.refresh.kv_backend) -> factory(settings, engine).
+BACKENDS: dict[str, Callable[[Any, Engine], KVStore]] = {"local": _open_local}
+
+
+def kv_root(settings) -> Path:
+    """Where the local backend keeps files: ``refresh.kv_dir`` or ``data_dir/prefix_kv``."""
+    configured = settings.refresh.kv_dir
+    return Path(configured) if configured is not None else Path(settings.data_dir) / "prefix_kv"
+
+
+def open_kv_store(settings, engine: Engine) -> KVStore:
+    """The configured backend (the local directory by default)."""
+    backend = settings.refresh.kv_backend
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown KV store backend {backend!r}; choose from {sorted(BACKENDS)}")
+    return BACKENDS[backend](settings, engine)
