@@ -10,7 +10,9 @@ the next: by default a writer *process* (``ingest.writer``, see ``writer.py``)
 stores batch N on the other core while this process polls and validates N+1;
 the writer thread is the fallback (an ``engine=`` passed in, an in-memory
 SQLite URL, or ``ingest.writer = "thread"``). A rebalance waits for the write
-in flight.
+in flight. Polling, stop requests, the idle exit, broker outages, health and
+closing are the shared ``ConsumerLoop``'s (``infra/consumer_loop.py``); this
+module adds what is ingest's: validate, store, dead-letter, commit.
 
 Example::
 
@@ -22,7 +24,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -30,12 +31,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafka import ConsumerRebalanceListener
+from kafka import ConsumerRebalanceListener, KafkaConsumer
+from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
+from kafka.structs import OffsetAndMetadata
 from sqlalchemy import Engine
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from genrec.infra import metrics
-from genrec.infra.broker_outage import OutagePoll
+from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
+from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.ingest.dlq import DeadLetterPublisher
@@ -108,7 +113,7 @@ def consumer_config(settings: Settings, *, group_id: str | None = None) -> dict[
     }
 
 
-class Ingestor:
+class Ingestor(BatchHandler):
     """Consumes ``kafka.topic_events`` into the store; ``run`` until idle or ``stop()``."""
 
     def __init__(
@@ -120,10 +125,15 @@ class Ingestor:
         dead_letters: DeadLetterPublisher | None = None,
         group_id: str | None = None,
     ) -> None:
-        from genrec.infra.database import make_engine
-
         self.settings = settings
         self.engine = engine or make_engine(str(settings.database_url))
+        ingest = settings.ingest
+        self.loop = ConsumerLoop(
+            "ingest", self, health_stall_s=ingest.health_stall_s,
+            idle_poll_ms=ingest.poll_timeout_ms,
+            # After a crash the group assigns nothing until the dead member's session expires.
+            join_grace_s=2 * ingest.session_timeout_ms / 1000 + 15,
+        )  # fmt: skip
         # Started before the group join, which hides its start-up (imports, engine).
         self.writer_process: WriterProcess | None = None
         if engine is None and uses_writer_process(settings):
@@ -136,17 +146,12 @@ class Ingestor:
             raise
         self.dead_letters = dead_letters or DeadLetterPublisher(settings)
         self.stats = IngestStats()
-        self._stop = threading.Event()
-        self._poll = OutagePoll("ingest", stop=self._stop)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ingest-writer")
         self._in_flight: Callable[[], dict[Any, int]] | None = None
         self._uncommitted: dict[Any, int] = {}
-        # When something last happened (a message, an assignment): the idle clock.
-        self.last_activity = self._last_loop = time.monotonic()
+        self._polled: dict[Any, list[Any]] = {}  # the open batch, not validated yet
 
     def _make_consumer(self, group_id: str | None) -> Any:
-        from kafka import KafkaConsumer
-
         consumer = KafkaConsumer(**consumer_config(self.settings, group_id=group_id))
         kafka = self.settings.kafka
         subscribe_when_ready(
@@ -156,7 +161,7 @@ class Ingestor:
 
     def stop(self) -> None:
         """Ask ``run`` to finish the batch in hand, commit, and return (signal-safe)."""
-        self._stop.set()
+        self.loop.request_stop()
 
     def run(
         self,
@@ -171,49 +176,63 @@ class Ingestor:
         polls and validates batch N+1; batch N's offsets are committed (here: the
         consumer is not thread-safe) as soon as its write and dead letters are done.
         """
-        ingest = self.settings.ingest
-        self.last_activity = last_progress = started = time.monotonic()
-        try:
-            while not self._stop.is_set() and not (until and until(self.stats)):
-                batch = self._poll.poll(self.consumer, timeout_ms=ingest.poll_timeout_ms)
-                now = self._last_loop = time.monotonic()
-                if batch:
-                    prepared = self.prepare(batch)
-                    offsets = self._collect()
-                    # The writer gets batch N+1 before batch N's commit round trip:
-                    # it should never sit idle while this thread talks to the broker.
-                    self._in_flight = self._start_store(prepared)
-                    if offsets is not None:
-                        self._commit_with_retry(offsets)
-                    self.last_activity = now
-                else:
-                    self.drain()
-                if now - last_progress >= progress_every_s:
-                    self._update_lag()
-                    log.info("%s", self.stats.progress_line())
-                    last_progress = now
-                idle = not batch and exit_when_idle_s is not None
-                # A broker outage is not idleness: events may be waiting behind it.
-                if idle and (self._poll.outage_s() > 0 or self._joining(started, now)):
-                    idle = False
-                if idle and now - self.last_activity >= exit_when_idle_s:
-                    log.info("no new events for %.0f s, exiting", exit_when_idle_s)
-                    break
-            self.drain()
-        finally:
-            self.close()
+        stats = self.stats
+        self.loop.run(
+            self.consumer,
+            exit_when_idle_s=exit_when_idle_s,
+            until=None if until is None else lambda: until(stats),
+            progress_every_s=progress_every_s,
+        )
         self._update_lag()
         log.info("%s (done)", self.stats.progress_line())
         return self.stats
 
-    def _joining(self, started: float, now: float) -> bool:
-        """No partitions yet, within the time a dead member's session takes to expire.
+    # --- the loop's hooks (BatchHandler) -------------------------------------------------
 
-        After a crash the group waits for the old member's session to time out
-        before it assigns anything: that wait is not idleness.
-        """
-        grace_s = 2 * self.settings.ingest.session_timeout_ms / 1000 + 15
-        return now - started < grace_s and not self.consumer.assignment()
+    def take_records(self, polled: dict[Any, list[Any]], received_at: float) -> None:
+        if not self._polled:
+            self._polled = polled
+            return
+        # A second poll joins the open batch only with a batch window, which ingest does not use.
+        for partition, records in polled.items():
+            self._polled[partition] = self._polled.get(partition, []) + records
+
+    def has_batch(self) -> bool:
+        return bool(self._polled)
+
+    def handle_batch(self) -> None:
+        """Validate the poll, hand it to the writer, then commit the batch stored before it."""
+        batch, self._polled = self._polled, {}
+        prepared = self.prepare(batch)
+        offsets = self._collect()
+        # The writer gets batch N+1 before batch N's commit round trip:
+        # it should never sit idle while this thread talks to the broker.
+        self._in_flight = self._start_store(prepared)
+        if offsets is not None:
+            self._commit_with_retry(offsets)
+
+    def settle(self) -> None:
+        self.drain()
+
+    def log_progress(self) -> None:
+        self._update_lag()
+        log.info("%s", self.stats.progress_line())
+
+    def health_details(self) -> dict[str, Any]:
+        return {
+            "stored": self.stats.events_stored,
+            "rejected": self.stats.events_rejected,
+            "lag": self.stats.lag,
+            "writer": "process" if self.writer_process is not None else "thread",
+        }
+
+    def release(self) -> None:
+        self._writer.shutdown(wait=True)
+        if self.writer_process is not None:
+            self.writer_process.close()
+        self.dead_letters.close()
+
+    # --- one batch -------------------------------------------------------------------------
 
     def process_batch(self, batch: dict[Any, list[Any]]) -> None:
         """Validate, store, dead-letter and commit one poll's records, synchronously."""
@@ -257,7 +276,7 @@ class Ingestor:
         writer = self.writer_process
         writer.send(prepared.message)  # encoded by ``prepare``, off the writer's critical path
         return lambda: self._finish_store(
-            prepared, writer.wait(stop=self._stop), writer.finished_at
+            prepared, writer.wait(stop=self.loop.stop_requested), writer.finished_at
         )
 
     def _write_timed(self, rows: list[tuple[Any, ...]]) -> tuple[int, float]:
@@ -271,7 +290,7 @@ class Ingestor:
         _EVENTS_STORED.inc(stored)
         _EVENTS_DUPLICATE.inc(len(prepared.rows) - stored)
         if prepared.letters:
-            self.dead_letters.publish(prepared.letters, stop=self._stop)
+            self.dead_letters.publish(prepared.letters, stop=self.loop.stop_requested)
             self.stats.events_rejected += len(prepared.letters)
             self.stats.rejected_by_reason.update(letter.reason for letter in prepared.letters)
             _EVENTS_DEAD_LETTERED.inc(len(prepared.letters))
@@ -307,16 +326,13 @@ class Ingestor:
                 return write_event_rows(self.engine, rows)
             except DBAPIError as exc:
                 metrics.ERRORS.labels(component="ingest", kind="db_write").inc()
-                if self._stop.is_set():
+                if self.loop.stop_requested.is_set():
                     raise
                 log.warning("database write failed (%s); retrying in %.1f s", _short(exc), delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 10.0)
 
     def _commit_with_retry(self, offsets: dict[Any, int]) -> None:
-        from kafka.errors import CommitFailedError, KafkaError, RebalanceInProgressError
-        from kafka.structs import OffsetAndMetadata
-
         offsets = _newest(self._uncommitted, offsets)
         self._uncommitted = {}
         owned = self.consumer.assignment()
@@ -348,7 +364,7 @@ class Ingestor:
                     # cannot fix these, so stop with the error (nothing is lost: the
                     # batch is stored and will be re-read, and skipped, after a restart).
                     raise
-                if self._stop.is_set():
+                if self.loop.stop_requested.is_set():
                     log.warning("offset commit failed while stopping: %s", _short(exc))
                     return
                 log.warning("offset commit failed (%s); retrying", _short(exc))
@@ -364,29 +380,7 @@ class Ingestor:
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Healthy while the loop turns: a stuck write, broker or database shows as unhealthy."""
-        stalled_s = time.monotonic() - self._last_loop
-        details = {
-            "role": "ingest",
-            "stopping": self._stop.is_set(),
-            "loop_stalled_s": round(stalled_s, 1),
-            "stored": self.stats.events_stored,
-            "rejected": self.stats.events_rejected,
-            "lag": self.stats.lag,
-            "writer": "process" if self.writer_process is not None else "thread",
-            "kafka_unreachable_s": round(self._poll.outage_s(), 1),
-        }
-        stuck_s = max(stalled_s, self._poll.outage_s())
-        return not self._stop.is_set() and stuck_s < self.settings.ingest.health_stall_s, details
-
-    def close(self) -> None:
-        self._writer.shutdown(wait=True)
-        if self.writer_process is not None:
-            self.writer_process.close()
-        try:
-            self.consumer.close(autocommit=False)
-        except TypeError:  # fakes and older clients take no argument
-            self.consumer.close()
-        self.dead_letters.close()
+        return self.loop.health()
 
 
 _EVENTS_STORED = metrics.EVENTS.labels(component="ingest", outcome="stored")
@@ -396,8 +390,6 @@ _EVENTS_DEAD_LETTERED = metrics.EVENTS.labels(component="ingest", outcome="dead_
 
 def uses_writer_process(settings: Settings) -> bool:
     """Whether ``settings`` get the writer process: not for an in-memory SQLite database."""
-    from sqlalchemy.engine import make_url
-
     if settings.ingest.writer != "process":
         return False
     url = make_url(str(settings.database_url))
@@ -455,5 +447,5 @@ class _RebalanceLog(ConsumerRebalanceListener):
             )
 
     def on_partitions_assigned(self, assigned) -> None:
-        self.ingestor.last_activity = time.monotonic()
+        self.ingestor.loop.restart_idle_clock()
         log.info("partitions assigned: %s", sorted(f"{tp.topic}-{tp.partition}" for tp in assigned))

@@ -15,7 +15,10 @@ events and they are answered again, with the same ``request_id`` (the
 triggering event's id), which consumers deduplicate on. A failed publish is
 never committed: the worker rewinds to the batch's first offsets and retries.
 SIGTERM (``request_stop``) finishes the batch in hand, commits it and leaves
-the group.
+the group. Polling (through broker outages), the batch window, stop requests,
+the idle exit, health and closing are the shared ``ConsumerLoop``'s
+(``infra/consumer_loop.py``); this module adds what is online's: group,
+recommend, publish, commit or rewind.
 
 Example::
 
@@ -26,18 +29,17 @@ Example::
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafka import ConsumerRebalanceListener
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from genrec.infra import metrics
-from genrec.infra.broker_outage import OutagePoll
+from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.online.live_version import ServingVersions
@@ -72,7 +74,7 @@ class _Polled:
     received_at: float
 
 
-class OnlineWorker:
+class OnlineWorker(BatchHandler):
     """One consumer in the ``genrec-online`` group; ``run`` until stopped or idle."""
 
     def __init__(
@@ -89,11 +91,13 @@ class OnlineWorker:
         self.versions = versions
         self._consumer_factory = consumer_factory or self._kafka_consumer
         self._producer_factory = producer_factory or self._kafka_producer
-        self._stop = threading.Event()
-        self._poll = OutagePoll("online", stop=self._stop)
-        self._pending: list[_Polled] = []
+        self.loop = ConsumerLoop(
+            "online", self, health_stall_s=self.online.health_stall_s, idle_poll_ms=POLL_IDLE_MS,
+            batch_window_s=self.online.batch_window_ms / 1000.0,
+            max_records=self.online.max_poll_records,
+        )  # fmt: skip
+        self._pending: list[_Polled] = []  # the open batch
         self._dropped: dict[Any, int] = {}  # first unanswered offset of each revoked partition
-        self._last_loop = time.monotonic()
         self._last_progress = time.monotonic()
         self.report = WorkerReport()
         self._failures = 0  # batches in a row that could not be answered
@@ -105,27 +109,11 @@ class OnlineWorker:
 
     def request_stop(self, *_args: Any) -> None:
         """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
-        self._stop.set()
+        self.loop.request_stop()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
         """Healthy while the loop turns (a stuck decode or broker shows as unhealthy)."""
-        stalled_s = time.monotonic() - self._last_loop
-        bundle = self.versions.current() if self.versions else None
-        details = {
-            "role": "online",
-            "stopping": self._stop.is_set(),
-            "loop_stalled_s": round(stalled_s, 1),
-            "requests": self.report.requests,
-            "failing_batches": self._failures,
-            "failing_commits": self._commit_failures,
-            "kafka_unreachable_s": round(self._poll.outage_s(), 1),
-            "version": bundle.describe() if bundle else None,
-        }
-        stuck_s = max(stalled_s, self._poll.outage_s())
-        stuck = stuck_s >= self.settings.online.health_stall_s
-        failing = max(self._failures, self._commit_failures) >= FAILING_BATCHES
-        ok = not self._stop.is_set() and not stuck and not failing
-        return ok, details
+        return self.loop.health()
 
     def run(
         self, exit_when_idle_s: float | None = None, max_requests: int | None = None
@@ -133,66 +121,55 @@ class OnlineWorker:
         """Serve until ``request_stop``, ``exit_when_idle_s`` without events, or ``max_requests``."""
         self.consumer = self._consumer_factory(_RevokeListener(self))
         self.producer = self._producer_factory()
-        last_event = time.monotonic()
+        report = self.report
         try:
-            while not self._stop.is_set():
-                self._last_loop = time.monotonic()
-                polled = self._collect()
-                if polled:
-                    last_event = time.monotonic()
-                    self._serve(polled)
-                elif (
-                    exit_when_idle_s is not None
-                    and time.monotonic() - last_event > exit_when_idle_s
-                    and self._poll.outage_s() == 0.0  # an outage is not idleness
-                ):
-                    log.info("no events for %.1f s: exiting", exit_when_idle_s)
-                    break
-                if max_requests is not None and self.report.requests >= max_requests:
-                    break
+            self.loop.run(
+                self.consumer,
+                exit_when_idle_s=exit_when_idle_s,
+                until=None if max_requests is None else lambda: report.requests >= max_requests,
+            )
         finally:
-            self._close()
+            log.info("worker stopped", extra={"fields": vars(self.report)})
         return self.report
 
-    def _close(self) -> None:
-        for client, name in ((self.producer, "producer"), (self.consumer, "consumer")):
-            try:
-                if client is not None:
-                    client.close()
-            except Exception:
-                log.exception("closing the Kafka %s failed", name)
-        log.info("worker stopped", extra={"fields": vars(self.report)})
+    # --- the loop's hooks (BatchHandler) -------------------------------------------------
 
-    # --- micro-batching ----------------------------------------------------------------
+    def take_records(self, polled: dict[Any, list[Any]], received_at: float) -> None:
+        for records in polled.values():
+            for record in records:
+                self._pending.append(_Polled(record, self._parse(record), received_at))
 
-    def _collect(self) -> list[_Polled]:
-        """Poll until the batch window closes after its first event (or nothing came)."""
-        self._pending = []
-        deadline: float | None = None
-        while True:
-            now = time.monotonic()
-            if deadline is None:
-                timeout_ms = POLL_IDLE_MS
-            else:
-                timeout_ms = max(0, int((deadline - now) * 1000))
-            polled = self._poll.poll(
-                self.consumer, timeout_ms=timeout_ms, max_records=self.online.max_poll_records
-            )
-            received_at = time.monotonic()
-            for records in polled.values():
-                for record in records:
-                    self._pending.append(_Polled(record, self._parse(record), received_at))
-            if self._pending and deadline is None:
-                deadline = received_at + self.online.batch_window_ms / 1000.0
-            if not self._pending:
-                return []
-            users = {p.event.user_id for p in self._pending if p.event is not None}
-            if (
-                time.monotonic() >= deadline
-                or len(users) >= self.online.max_batch_users
-                or self._stop.is_set()
-            ):
-                return self._pending
+    def has_batch(self) -> bool:
+        return bool(self._pending)
+
+    def batch_full(self) -> bool:
+        users = {p.event.user_id for p in self._pending if p.event is not None}
+        return len(users) >= self.online.max_batch_users
+
+    def handle_batch(self) -> None:
+        polled, self._pending = self._pending, []
+        self._serve(polled)
+
+    def health_details(self) -> dict[str, Any]:
+        bundle = self.versions.current() if self.versions else None
+        return {
+            "requests": self.report.requests,
+            "failing_batches": self._failures,
+            "failing_commits": self._commit_failures,
+            "version": bundle.describe() if bundle else None,
+        }
+
+    def failing(self) -> bool:
+        return max(self._failures, self._commit_failures) >= FAILING_BATCHES
+
+    def release(self) -> None:
+        try:
+            if self.producer is not None:
+                self.producer.close()
+        except Exception:
+            log.exception("closing the Kafka producer failed")
+
+    # --- one batch ---------------------------------------------------------------------
 
     def _parse(self, record: Any) -> UserEvent | None:
         result = validate_event(record.value, self.settings.ingest.max_message_bytes)
@@ -206,8 +183,6 @@ class OnlineWorker:
             "skipping invalid event at %s:%s: %s", record.partition, record.offset, result.reason
         )
         return None
-
-    # --- one batch ---------------------------------------------------------------------
 
     def _serve(self, polled: list[_Polled]) -> None:
         requests = group_requests(polled)
@@ -305,7 +280,7 @@ class OnlineWorker:
         for partition, first in _first_offsets(polled).items():
             if partition in assigned:
                 self.consumer.seek(partition, first)
-        self._stop.wait(PUBLISH_RETRY_S)
+        self.loop.stop_requested.wait(PUBLISH_RETRY_S)
 
     def _drop_revoked(self, revoked: Sequence[Any]) -> None:
         # Records of a revoked partition are not ours to answer any more: the new
@@ -334,8 +309,6 @@ class OnlineWorker:
     # --- Kafka clients -------------------------------------------------------------------
 
     def _kafka_consumer(self, listener: Any) -> Any:
-        from kafka import KafkaConsumer
-
         consumer = KafkaConsumer(
             **self.settings.kafka.client_config(),
             group_id=self.online.group_id,
@@ -348,13 +321,11 @@ class OnlineWorker:
         )
         subscribe_when_ready(
             consumer, self.settings.kafka.topic_events, listener=listener,
-            timeout_s=self.settings.kafka.topic_wait_s, should_stop=self._stop.is_set,
+            timeout_s=self.settings.kafka.topic_wait_s, should_stop=self.loop.stop_requested.is_set,
         )  # fmt: skip
         return consumer
 
     def _kafka_producer(self) -> Any:
-        from kafka import KafkaProducer
-
         return KafkaProducer(**self.settings.kafka.client_config(), acks="all", linger_ms=5)
 
 

@@ -1,4 +1,4 @@
-"""OutagePoll (infra/broker_outage.py): retriable poll errors become empty polls, logged sparingly."""
+"""OutagePoll (infra/consumer_loop.py): retriable poll errors become empty polls, logged sparingly."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import pytest
 from kafka.errors import AuthorizationError, KafkaConnectionError, KafkaTimeoutError
 
-from genrec.infra.broker_outage import OutagePoll
+from genrec.infra.consumer_loop import OutagePoll
 
 
 class ScriptedConsumer:

@@ -72,9 +72,9 @@ class FakeDeadLetters:
         pass
 
 
-def make_ingestor(tmp_path, batches):
+def make_ingestor(tmp_path, batches, **ingest):
     journal: list[str] = []
-    settings = Settings(home=tmp_path)
+    settings = Settings(home=tmp_path, ingest=ingest)
     engine = make_engine(str(settings.database_url))
     consumer = FakeConsumer(batches, journal)
     dead = FakeDeadLetters(journal)
@@ -190,11 +190,11 @@ def test_a_broker_outage_in_poll_is_ridden_out_without_an_idle_exit(tmp_path):
     first, second = ({tp: [Record("t", 0, i, b"u1", event_bytes(i), 0)]} for i in (1, 2))
     outage = [KafkaConnectionError("111 ECONNREFUSED"), NodeNotReadyError("metadata")]
     ingestor, consumer, _, journal, engine = make_ingestor(tmp_path, [first, *outage, second])
-    ingestor._poll.first_backoff_s = ingestor._poll.max_backoff_s = 0.01
+    ingestor.loop.outage.first_backoff_s = ingestor.loop.outage.max_backoff_s = 0.01
     # exit_when_idle_s=0 ends the run at the first empty poll: the outage's must not count.
     stats = ingestor.run(exit_when_idle_s=0.0)
     assert stats.events_stored == 2 and consumer.committed == {tp: 3}
-    assert ingestor._poll.errors == 2 and ingestor.health()[1]["kafka_unreachable_s"] == 0
+    assert ingestor.loop.outage.errors == 2 and ingestor.health()[1]["kafka_unreachable_s"] == 0
     with engine.connect() as connection:
         assert connection.execute(select(func.count()).select_from(events)).scalar() == 2
 
@@ -204,11 +204,13 @@ def test_ingest_health_turns_red_after_two_minutes_without_kafka(tmp_path):
 
     ingestor, *_ = make_ingestor(tmp_path, [])
     assert ingestor.health()[0]
-    ingestor._poll._since = time.monotonic() - 130  # an outage that began 130 s ago
+    ingestor.loop.outage._since = time.monotonic() - 130  # an outage that began 130 s ago
     ok, details = ingestor.health()
     assert not ok and details["kafka_unreachable_s"] >= 130
-    ingestor.settings.ingest.health_stall_s = 300.0  # a deployment that tolerates longer outages
-    assert ingestor.health()[0]
+    # a deployment that tolerates longer outages
+    tolerant, *_ = make_ingestor(tmp_path, [], health_stall_s=300.0)
+    tolerant.loop.outage._since = time.monotonic() - 130
+    assert tolerant.health()[0]
 
 
 def test_a_non_retriable_poll_error_is_raised_and_the_consumer_closed(tmp_path):

@@ -154,7 +154,7 @@ def test_failed_publish_is_not_committed_and_the_batch_is_retried() -> None:
     batch = [record(2, 40, "c1", "carol"), record(2, 41, "d1", "dave")]
     # the consumer re-delivers the batch after the worker seeks back
     worker, consumer, producer, _ = make_worker([batch, batch], FakeProducer(fail_first_sends=1))
-    worker._stop.wait = lambda timeout=None: False  # no retry back-off in tests
+    worker.loop.stop_requested.wait = lambda timeout=None: False  # no retry back-off in tests
     report = worker.run(exit_when_idle_s=0)
     assert consumer.seeks == [(2, 40)]
     assert consumer.commits == [{TopicPartition(TOPIC, 2): 42}]
@@ -179,7 +179,9 @@ def test_a_failing_recommender_rewinds_the_batch_and_turns_health_red() -> None:
     recommender = FlakyRecommender(failures=3)
     worker, consumer, producer, _ = make_worker([batch] * 4, recommender=recommender)
     health = []
-    worker._stop.wait = lambda timeout=None: health.append(worker.health()[0]) or False
+    worker.loop.stop_requested.wait = lambda timeout=None: (
+        health.append(worker.health()[0]) or False
+    )
     worker.run(exit_when_idle_s=0)
     assert consumer.seeks == [(1, 7)] * 3 and health == [True, True, False]
     assert [m.event_id for _, m in producer.sent] == ["f1"]
@@ -324,10 +326,10 @@ def test_commits_failing_in_a_row_turn_health_red_until_one_succeeds() -> None:
 
 def test_health_turns_red_when_the_loop_stalls_longer_than_the_setting() -> None:
     worker, *_ = make_worker([], health_stall_s=300.0)
-    worker._last_loop -= 200  # a batch that has taken 200 s so far
+    worker.loop.last_turn_at -= 200  # a batch that has taken 200 s so far
     ok, details = worker.health()
     assert ok and details["loop_stalled_s"] >= 200
-    worker._last_loop -= 150
+    worker.loop.last_turn_at -= 150
     assert not worker.health()[0]
 
 
@@ -338,20 +340,20 @@ def test_a_broker_outage_in_poll_is_ridden_out_and_shows_in_health() -> None:
     worker, consumer, producer, _ = make_worker(
         [[record(0, 1, "a1", "alice")], outage, outage, [record(0, 2, "a2", "alice")]]
     )
-    worker._stop.wait = lambda timeout=None: False  # no back-off in tests
+    worker.loop.stop_requested.wait = lambda timeout=None: False  # no back-off in tests
     seen_in_outage = []
-    real_collect = worker._collect
+    real_poll = consumer.poll
 
-    def collect():
-        seen_in_outage.append(worker._poll.outage_s())  # what health() reports, unrounded
-        return real_collect()
+    def poll(**kwargs):
+        seen_in_outage.append(worker.loop.outage.outage_s())  # what health() reports, unrounded
+        return real_poll(**kwargs)
 
-    worker._collect = collect
+    consumer.poll = poll
     # exit_when_idle_s=0 would end the run at the first empty poll: an outage must not.
     report = worker.run(exit_when_idle_s=0)
     assert [m.event_id for _, m in producer.sent] == ["a1", "a2"]
     assert consumer.commits[-1] == {TopicPartition(TOPIC, 0): 3}
-    assert report.requests == 2 and worker._poll.errors == 2
+    assert report.requests == 2 and worker.loop.outage.errors == 2
     assert any(s > 0 for s in seen_in_outage) and worker.health()[1]["kafka_unreachable_s"] == 0
 
 
@@ -370,6 +372,6 @@ def test_health_turns_red_after_two_minutes_without_kafka() -> None:
 
     worker, *_ = make_worker([])
     assert worker.health()[0]
-    worker._poll._since = time.monotonic() - 130  # an outage that began 130 s ago
+    worker.loop.outage._since = time.monotonic() - 130  # an outage that began 130 s ago
     ok, details = worker.health()
     assert not ok and details["kafka_unreachable_s"] >= 130

@@ -1,0 +1,306 @@
+"""The consumer loop shared by ingest and the online worker (infra): poll, hand over, stop, idle, health.
+
+Both services run the same loop around their own step:
+
+* poll, through a broker outage (``OutagePoll``): a *retriable* Kafka error
+  becomes an empty poll after a back-off, logged when the outage starts, every
+  ``log_every_s`` while it lasts and when it ends; errors that retrying cannot
+  fix are raised;
+* gather a batch: the records of one poll, or, with a batch window, of every
+  poll until the window closes after the batch's first records (or the step
+  says the batch is full, or a stop is requested);
+* hand the batch to the step (``BatchHandler.handle_batch``), which does its
+  work and decides what to commit: nothing is committed here;
+* stop: ``request_stop`` (signal-safe) lets the batch in hand finish, then the
+  loop returns;
+* idle exit: ``exit_when_idle_s`` without a batch ends the run, but a broker
+  outage or a group still being joined is not idleness;
+* health: ``/healthz`` is red while stopping, when the loop has not turned, or
+  Kafka has not answered, for ``health_stall_s``, or when the step says it is
+  failing;
+* close: the step's own clients first, then the consumer (which leaves the
+  group), whether the run ended well or with an error.
+
+kafka-python 3.0 lets some connection errors out of ``KafkaConsumer.poll`` while
+the broker is away: a group-coordinator lookup that fails to connect is followed
+by a metadata refresh, and when that refresh cannot connect either its error
+is raised to the caller. The consumer itself is fine and reconnects once the
+broker is back, so a service must neither die on such an error (a restart of
+the whole process would not bring the broker back sooner) nor spin on it.
+
+Example::
+
+    >>> loop = ConsumerLoop("ingest", handler, health_stall_s=120, idle_poll_ms=1000)  # doctest: +SKIP
+    >>> loop.run(consumer, exit_when_idle_s=10)                                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from kafka.errors import KafkaError
+
+from genrec.infra import metrics
+
+log = logging.getLogger(__name__)
+kafka_log = logging.getLogger("genrec.kafka")  # outage lines, of either service
+
+
+class OutagePoll:
+    """Wraps ``consumer.poll`` for one service loop; not thread-safe (neither is the consumer)."""
+
+    def __init__(
+        self,
+        component: str,
+        *,
+        stop: threading.Event | None = None,
+        first_backoff_s: float = 0.5,
+        max_backoff_s: float = 5.0,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self.component = component
+        self._stop = stop or threading.Event()
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.log_every_s = log_every_s
+        self.errors = 0  # retriable poll errors since the process started
+        self._since: float | None = None  # when the current outage began
+        self._backoff_s = first_backoff_s
+        self._logged_at = 0.0
+
+    def poll(self, consumer: Any, **poll_kwargs: Any) -> dict[Any, list[Any]]:
+        """``consumer.poll(**poll_kwargs)``; ``{}`` after a back-off if the broker is away."""
+        try:
+            batch = consumer.poll(**poll_kwargs)
+        except KafkaError as exc:
+            if not getattr(exc, "retriable", False):
+                raise
+            self._on_error(exc)
+            return {}
+        if self._since is not None:
+            kafka_log.info("%s: Kafka answers again after %.0f s", self.component, self.outage_s())
+            self._since = None
+            self._backoff_s = self.first_backoff_s
+        return batch
+
+    def outage_s(self) -> float:
+        """Seconds since the first failed poll of the current outage (0.0 when none)."""
+        return 0.0 if self._since is None else time.monotonic() - self._since
+
+    def _on_error(self, exc: KafkaError) -> None:
+        now = time.monotonic()
+        self.errors += 1
+        metrics.ERRORS.labels(component=self.component, kind="kafka_poll").inc()
+        if self._since is None:
+            self._since = self._logged_at = now
+            kafka_log.warning(
+                "%s: Kafka poll failed (%s); retrying until the broker is back",
+                self.component, exc,
+            )  # fmt: skip
+        elif now - self._logged_at >= self.log_every_s:
+            self._logged_at = now
+            kafka_log.warning(
+                "%s: Kafka unreachable for %.0f s (%s); still retrying",
+                self.component, now - self._since, type(exc).__name__,
+            )  # fmt: skip
+        # An Event wait, not sleep: SIGTERM (which sets ``stop``) ends the back-off at once.
+        self._stop.wait(self._backoff_s)
+        self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+
+
+class BatchHandler(ABC):
+    """What one step adds to the loop: its open batch, its work on it, its own health and clients.
+
+    All hooks run on the loop's thread (the consumer's), as do the rebalance
+    callbacks kafka-python calls inside ``poll``.
+    """
+
+    @abstractmethod
+    def take_records(self, polled: dict[Any, list[Any]], received_at: float) -> None:
+        """Add one non-empty poll's records (by partition) to the open batch."""
+
+    @abstractmethod
+    def has_batch(self) -> bool:
+        """Whether the open batch holds records (a rebalance may have emptied it)."""
+
+    def batch_full(self) -> bool:
+        """Whether the open batch should be handed over before its window closes."""
+        return False
+
+    @abstractmethod
+    def handle_batch(self) -> None:
+        """Do the step's work on the open batch, commit what is safe, and start a new batch."""
+
+    def settle(self) -> None:
+        """A turn without a batch, and the end of a run: finish and commit work in flight."""
+        return None
+
+    def log_progress(self) -> None:
+        """The periodic progress line, every ``progress_every_s`` of ``ConsumerLoop.run``."""
+        return None
+
+    def health_details(self) -> dict[str, Any]:
+        """The step's own fields of the ``/healthz`` body."""
+        return {}
+
+    def failing(self) -> bool:
+        """Whether the step's own failures should turn ``/healthz`` red."""
+        return False
+
+    def release(self) -> None:
+        """Close the step's own clients; the loop closes the consumer afterwards."""
+        return None
+
+
+class ConsumerLoop:
+    """One service's consumer loop around ``handler``; ``run`` until stopped, idle or ``until``.
+
+    ``idle_poll_ms`` is the poll timeout while no batch is open (it bounds how soon a
+    stop request is seen); ``batch_window_s`` keeps a batch open for that long after
+    its first records; ``max_records`` goes to every poll when set; ``join_grace_s``
+    is how long a consumer without partitions counts as joining, not idle.
+    """
+
+    def __init__(
+        self,
+        component: str,
+        handler: BatchHandler,
+        *,
+        health_stall_s: float,
+        idle_poll_ms: int,
+        batch_window_s: float = 0.0,
+        max_records: int | None = None,
+        join_grace_s: float | None = None,
+    ) -> None:
+        self.component = component
+        self.handler = handler
+        self.health_stall_s = health_stall_s
+        self.idle_poll_ms = idle_poll_ms
+        self.batch_window_s = batch_window_s
+        self.join_grace_s = join_grace_s
+        self._poll_kwargs = {} if max_records is None else {"max_records": max_records}
+        self.stop_requested = threading.Event()
+        self.outage = OutagePoll(component, stop=self.stop_requested)
+        self.consumer: Any = None
+        # When a turn last began (the /healthz stall clock), and when a batch last came or
+        # partitions were assigned (the idle clock).
+        self.last_turn_at = self.last_activity = time.monotonic()
+
+    def request_stop(self) -> None:
+        """Let the batch in hand finish, then return from ``run`` (safe from a signal handler)."""
+        self.stop_requested.set()
+
+    def restart_idle_clock(self) -> None:
+        """Count from now for ``exit_when_idle_s`` (e.g. partitions were just assigned)."""
+        self.last_activity = time.monotonic()
+
+    def run(
+        self,
+        consumer: Any,
+        *,
+        exit_when_idle_s: float | None = None,
+        until: Callable[[], bool] | None = None,
+        progress_every_s: float | None = None,
+    ) -> None:
+        """Turn until ``request_stop``, ``until()``, or ``exit_when_idle_s`` without a batch.
+
+        The consumer is closed at the end, after the step's own clients, also when a
+        step or a poll raises (the error goes on to the caller).
+        """
+        self.consumer = consumer
+        started = last_progress = self.last_activity = time.monotonic()
+        try:
+            while not self.stop_requested.is_set() and not (until and until()):
+                self.last_turn_at = time.monotonic()
+                got_batch = self._gather()
+                now = time.monotonic()
+                if got_batch:
+                    self.last_activity = now
+                    self.handler.handle_batch()
+                else:
+                    self.handler.settle()
+                if progress_every_s is not None and now - last_progress >= progress_every_s:
+                    self.handler.log_progress()
+                    last_progress = now
+                if not got_batch and self._idle_long_enough(exit_when_idle_s, started, now):
+                    log.info(
+                        "%s: no new events for %g s, exiting", self.component, exit_when_idle_s
+                    )
+                    break
+            self.handler.settle()
+        finally:
+            self._close()
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """Healthy while the loop turns and Kafka answers, the step is not failing, no stop."""
+        stalled_s = time.monotonic() - self.last_turn_at
+        outage_s = self.outage.outage_s()
+        stopping = self.stop_requested.is_set()
+        details = {
+            "role": self.component,
+            "stopping": stopping,
+            "loop_stalled_s": round(stalled_s, 1),
+            "kafka_unreachable_s": round(outage_s, 1),
+            **self.handler.health_details(),
+        }
+        stuck = max(stalled_s, outage_s) >= self.health_stall_s
+        return not stopping and not stuck and not self.handler.failing(), details
+
+    def _gather(self) -> bool:
+        """Poll until the batch window closes after its first records; False if none came."""
+        deadline: float | None = None
+        while True:
+            if deadline is None:
+                timeout_ms = self.idle_poll_ms
+            else:
+                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            polled = self.outage.poll(self.consumer, timeout_ms=timeout_ms, **self._poll_kwargs)
+            received_at = time.monotonic()
+            if polled:
+                self.handler.take_records(polled, received_at)
+            if not self.handler.has_batch():
+                return False
+            if deadline is None:
+                deadline = received_at + self.batch_window_s
+            if (
+                time.monotonic() >= deadline
+                or self.handler.batch_full()
+                or self.stop_requested.is_set()
+            ):
+                return True
+
+    def _idle_long_enough(self, exit_when_idle_s: float | None, started: float, now: float) -> bool:
+        if exit_when_idle_s is None:
+            return False
+        # A broker outage is not idleness: events may be waiting behind it.
+        if self.outage.outage_s() > 0 or self._joining(started, now):
+            return False
+        return now - self.last_activity >= exit_when_idle_s
+
+    def _joining(self, started: float, now: float) -> bool:
+        """No partitions yet, within ``join_grace_s`` of the start.
+
+        After a crash the group waits for the old member's session to time out
+        before it assigns anything: that wait is not idleness.
+        """
+        if self.join_grace_s is None or now - started >= self.join_grace_s:
+            return False
+        return not self.consumer.assignment()
+
+    def _close(self) -> None:
+        try:
+            self.handler.release()
+        finally:
+            try:
+                try:
+                    self.consumer.close(autocommit=False)
+                except TypeError:  # fakes and older clients take no argument
+                    self.consumer.close()
+            except Exception:
+                # Closing must not hide the error that ended the run, if any.
+                log.exception("%s: closing the Kafka consumer failed", self.component)
