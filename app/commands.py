@@ -13,6 +13,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from genrec.infra.errors import UserFacingError
+from genrec.infra.settings import get_settings
+
+# Handlers import their step's modules when they run, so that `genrec --help` and
+# every other command start without torch, transformers, pandas or a database.
+
 STOPPED_EXIT_CODE = 3  # as LSB init scripts' `status`: "program is not running"
 
 
@@ -62,14 +68,11 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 def _broker():
     from genrec.app.kafka_broker import KafkaBroker
-    from genrec.infra.settings import get_settings
 
     return KafkaBroker.from_settings(get_settings())
 
 
 def _kafka_up(args: argparse.Namespace) -> int:
-    from genrec.infra.settings import get_settings
-
     timeout = (
         args.timeout if args.timeout is not None else get_settings().kafka_broker.start_timeout_s
     )
@@ -92,8 +95,6 @@ def _kafka_status(args: argparse.Namespace) -> int:
 
 
 def _topics_create(args: argparse.Namespace) -> int:
-    from genrec.infra.errors import UserFacingError
-    from genrec.infra.settings import get_settings
     from genrec.infra.topics import create_topics, topic_specs, wait_for_kafka
 
     kafka = get_settings().kafka
@@ -112,7 +113,6 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     from genrec.app.demo import run_demo
-    from genrec.infra.settings import get_settings
 
     run_demo(get_settings(), json_path=args.json, rate=args.rate)
     return 0

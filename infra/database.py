@@ -16,6 +16,8 @@ from pathlib import Path
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 
+from genrec.schemas.tables import metadata
+
 
 def make_engine(url: str, *, create_tables: bool = True) -> Engine:
     """An engine for ``url``; SQLite gets WAL and a busy timeout so several processes can share it."""
@@ -28,8 +30,6 @@ def make_engine(url: str, *, create_tables: bool = True) -> Engine:
     else:
         engine = create_engine(url, pool_pre_ping=True)
     if create_tables:
-        from genrec.schemas.tables import metadata
-
         metadata.create_all(engine)
     return engine
 

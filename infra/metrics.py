@@ -37,6 +37,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from genrec.infra.errors import UserFacingError
+
 log = logging.getLogger(__name__)
 
 HealthFn = Callable[[], tuple[bool, dict[str, Any]]]
@@ -156,8 +158,6 @@ def start_metrics_server(
     try:
         server = MetricsServer(port, health_fn, host)
     except OSError as exc:
-        from genrec.infra.errors import UserFacingError
-
         raise UserFacingError(
             f"cannot serve metrics on {host}:{port} ({exc}); pick another port "
             "(each process on a host needs its own) or 0 for a free one"

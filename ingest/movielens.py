@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
+from sqlalchemy import insert
+
+from genrec.schemas import tables
 
 DATASET_NAME = "ml-100k"
 
@@ -65,10 +68,6 @@ def store_ml100k(engine) -> None:
     """ML-100K's items and rating events into an empty store, as replay + ingest would write
     them (event ids ``ml-100k-{file_row}``, type ``rate``), without Kafka: for benchmarks and
     tests that need the real data in a store quickly."""
-    from sqlalchemy import insert
-
-    from genrec.schemas.tables import events, items
-
     dataset = load_ml100k()
     item_rows = [
         {
@@ -91,5 +90,5 @@ def store_ml100k(engine) -> None:
         for row in dataset.events.itertuples()
     ]
     with engine.begin() as connection:
-        connection.execute(insert(items), item_rows)
-        connection.execute(insert(events), event_rows)
+        connection.execute(insert(tables.items), item_rows)
+        connection.execute(insert(tables.events), event_rows)

@@ -27,8 +27,11 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from genrec.infra.database import make_engine
 from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import Settings
+from genrec.ingest.movielens import load_ml100k
+from genrec.ingest.store import upsert_items
 from genrec.schemas.events import EVENT_TYPES, parse_timestamp_ms
 
 log = logging.getLogger("genrec.ingest.replay")
@@ -61,8 +64,6 @@ def read_table(path: str | Path) -> pd.DataFrame:
 
 def ml100k_events() -> pd.DataFrame:
     """ML-100K as a replay frame: ids ``ml-100k-{file_row}``, event_type rate, value = rating."""
-    from genrec.ingest.movielens import load_ml100k
-
     events = load_ml100k().events
     return pd.DataFrame(
         {
@@ -78,8 +79,6 @@ def ml100k_events() -> pd.DataFrame:
 
 
 def ml100k_items() -> list[dict[str, Any]]:
-    from genrec.ingest.movielens import load_ml100k
-
     return item_rows(load_ml100k().items)
 
 
@@ -318,9 +317,6 @@ def _year(value: Any) -> int | None:
 
 def load_items(settings: Settings, rows: list[dict[str, Any]]) -> int:
     """Upsert catalog rows into the configured store; returns how many."""
-    from genrec.infra.database import make_engine
-    from genrec.ingest.store import upsert_items
-
     engine = make_engine(str(settings.database_url))
     try:
         return upsert_items(engine, rows)

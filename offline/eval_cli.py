@@ -20,6 +20,12 @@ import json
 import logging
 from pathlib import Path
 
+from genrec.infra.errors import UserFacingError
+from genrec.infra.settings import get_settings
+
+# Handlers import their step's modules when they run, so that `genrec --help` and
+# every other command start without torch, transformers, pandas or a database.
+
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +62,6 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 def _eval(args: argparse.Namespace) -> int:
     from genrec.infra.database import make_engine
-    from genrec.infra.errors import UserFacingError
-    from genrec.infra.settings import get_settings
     from genrec.offline.evaluation import format_table, plot_report, run_protocol
 
     if args.max_users is not None and args.max_users < 1:
@@ -88,8 +92,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _fit_recall(args: argparse.Namespace) -> int:
     from genrec.infra.database import make_engine
-    from genrec.infra.errors import UserFacingError
-    from genrec.infra.settings import get_settings
     from genrec.offline.recall import fit_store_branches, save_branches
 
     settings = get_settings()

@@ -13,6 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from genrec.infra.errors import UserFacingError
+from genrec.infra.settings import get_settings
+
+# Handlers import their step's modules when they run, so that `genrec --help` and
+# every other command start without torch, transformers, pandas or a database.
+
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
     offline = groups.group("offline", "Offline refresh: semantic IDs, models, prefix KV")
@@ -67,8 +73,6 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 
 def _settings_with(**refresh_overrides):
-    from genrec.infra.settings import get_settings
-
     settings = get_settings()
     changes = {k: v for k, v in refresh_overrides.items() if v is not None}
     refresh = settings.refresh.model_copy(update=changes)
@@ -77,7 +81,6 @@ def _settings_with(**refresh_overrides):
 
 def _refresh(args: argparse.Namespace) -> int:
     from genrec.infra.database import make_engine
-    from genrec.infra.errors import UserFacingError
     from genrec.offline.refresh import run_refresh
     from genrec.offline.run_lock import LockBusy
 

@@ -36,6 +36,11 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 from apscheduler.util import datetime_to_utc_timestamp, ref_to_obj
 
+from genrec.infra.database import make_engine
+from genrec.infra.settings import get_settings
+from genrec.offline.refresh import run_refresh
+from genrec.offline.run_lock import LockBusy
+
 log = logging.getLogger(__name__)
 
 JOB_ID = "genrec-offline-refresh"
@@ -167,8 +172,6 @@ def refresh_trigger(refresh_settings):
 
 def build_scheduler(settings) -> BackgroundScheduler:
     """A scheduler with the persistent JSON job store in the genrec database."""
-    from genrec.infra.database import make_engine
-
     # genrec's engine: creates the SQLite directory, WAL and a busy timeout for shared use.
     engine = make_engine(settings.database_url, create_tables=False)
     store = JsonSQLAlchemyJobStore(engine=engine, tablename=JOBS_TABLE)
@@ -224,11 +227,6 @@ def ensure_refresh_job(scheduler, settings, func_ref: str = JOB_FUNC) -> Job:
 
 def scheduled_refresh() -> str:
     """The scheduled job: one refresh with the process settings; never raises."""
-    from genrec.infra.database import make_engine
-    from genrec.infra.settings import get_settings
-    from genrec.offline.refresh import run_refresh
-    from genrec.offline.run_lock import LockBusy
-
     settings = get_settings()
     engine = make_engine(settings.database_url)
     try:

@@ -23,11 +23,20 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 from genrec.infra import metrics
+from genrec.infra.serving_versions import ServingVersion, active_serving_version
+from genrec.online.branches import RecallBranch, load_branch
+from genrec.online.prefix_kv_store import open_kv_store
+from genrec.online.recommender import ModelDecoder
+from genrec.schemas.tables import serving_versions
+
+if TYPE_CHECKING:
+    from genrec.online.prefix_kv_store import KVStore
+    from genrec.online.recommender import GenerativeDecoder
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +46,10 @@ class ServingBundle:
     """One loaded serving version. ``decoder`` None -> traditional branches only."""
 
     key: str
-    decoder: Any = None  # genrec.online.recommender.GenerativeDecoder
-    kv_store: Any = None  # genrec.online.prefix_kv_store.KVStore
+    decoder: GenerativeDecoder | None = None
+    kv_store: KVStore | None = None
     kv_version: Any = None  # as the KV store keys it (an int)
-    branches: dict[str, Any] = field(default_factory=dict)  # name -> RecallBranch
+    branches: dict[str, RecallBranch] = field(default_factory=dict)
     model_version: Any = None
     semantic_id_version: Any = None
 
@@ -147,8 +156,6 @@ def _version_labels(described: dict[str, Any]) -> tuple[str, str, str]:
 
 def active_serving_key(engine: Engine) -> str | None:
     """The active row of ``serving_versions`` (see ``genrec.infra.serving_versions``) as a key."""
-    from genrec.infra.serving_versions import active_serving_version
-
     active = active_serving_version(engine)
     return None if active is None else str(active.version)
 
@@ -159,11 +166,6 @@ def serving_version_row(engine: Engine, key: str):
     The worker loads exactly what this row pins: by the time a load finishes another
     version may be active, and the next probe picks that one up.
     """
-    from sqlalchemy import select
-
-    from genrec.infra.serving_versions import ServingVersion
-    from genrec.schemas.tables import serving_versions
-
     with engine.connect() as connection:
         row = connection.execute(
             select(serving_versions).where(serving_versions.c.version == int(key))
@@ -181,9 +183,8 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     The model is loaded BY VERSION, not as "the active model": training activates a new
     model version before the refresh activates the serving version that pins it.
     """
+    # Lazy: torch and transformers load only in a process that loads a model.
     from genrec.online.models.store import load_model_version
-    from genrec.online.prefix_kv_store import open_kv_store
-    from genrec.online.recommender import ModelDecoder
 
     pinned = serving_version_row(engine, key)
     if pinned.model_version is None:
@@ -203,11 +204,11 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     )
 
 
-def load_branches(settings, names: tuple[str, ...], root: Path | None = None) -> dict[str, Any]:
+def load_branches(
+    settings, names: tuple[str, ...], root: Path | None = None
+) -> dict[str, RecallBranch]:
     """Fitted recall branches, one folder each under ``recall.artifacts_dir`` (default
     ``data_dir/recall``); a branch without an artifact is skipped with a warning."""
-    from genrec.online.branches import load_branch
-
     if root is None:
         root = settings.recall.artifacts_dir or settings.path("recall", "x").parent
     branches = {}

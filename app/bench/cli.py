@@ -1,11 +1,13 @@
 """``genrec bench ...``: the benchmarks that measure side by side and print ratios (app layer).
 
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
-and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``.
+and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
+``bench load``.
 
 Example::
 
     $ genrec bench decode --ks 10 --batch-sizes 1,8
+    $ genrec bench load --workers 1,2
 """
 
 from __future__ import annotations
@@ -13,9 +15,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from genrec.infra.errors import UserFacingError
+from genrec.infra.settings import get_settings
+
+# Handlers import their step's modules when they run, so that `genrec --help` and
+# every other command start without torch, transformers, pandas or a database.
+
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
-    """Add ``genrec bench ingest``, ``bench serve`` and ``bench decode``."""
+    """Add ``genrec bench ingest``, ``bench serve``, ``bench decode`` and ``bench load``."""
     bench = groups.group("bench", "Benchmarks that measure side by side and print ratios")
     bench_ingest = bench.add_parser(
         "ingest",
@@ -94,6 +102,49 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     decode.add_argument("--json", type=Path, default=None, help="default: var/bench/decode.json")
     decode.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
     decode.set_defaults(handler=_bench_decode)
+    _register_load(bench)
+
+
+def _register_load(bench: argparse._SubParsersAction) -> None:
+    load = bench.add_parser(
+        "load", help="open-loop load through Kafka against genrec serve workers",
+        description="Produce events of store users at offered rates that step up (doubling, "
+        "open loop: send times fixed by the schedule) against genrec serve workers it starts "
+        "(1, then 2, beside one genrec ingest) or already running ones (--no-start); consume "
+        "genrec.recommendations and print per step answered events/s, requests/s, p50/p95/p99/"
+        "max event-to-recommendation latency, unanswered events and worker CPU; stop after "
+        "the first step that overloads; write JSON and a PNG of latency vs throughput.",
+    )  # fmt: skip
+    load.add_argument(
+        "--rates", default=None,
+        help="offered events/s per step, comma-separated (default: 25 doubling to 3200)",
+    )  # fmt: skip
+    load.add_argument("--step-s", type=float, default=30.0, help="seconds per step")
+    load.add_argument(
+        "--drain-s", type=float, default=30.0, help="after a step: wait this long for answers"
+    )
+    load.add_argument("--p99-ms", type=float, default=100.0, help="a step overloads above this p99")
+    load.add_argument("--workers", default="1,2", help="worker counts to start, comma-separated")
+    load.add_argument(
+        "--no-start", action="store_true",
+        help="drive genrec serve workers that already run (and their genrec ingest)",
+    )  # fmt: skip
+    load.add_argument(
+        "--worker-pids", default="",
+        help="with --no-start: comma-separated pids of those workers, for their CPU",
+    )  # fmt: skip
+    load.add_argument("--users", type=int, default=None, help="store users sampled (default: all)")
+    load.add_argument(
+        "--warmup-events", type=int, default=40, help="warm-up events per worker before step 1"
+    )
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--json", type=Path, default=None, help="default: var/bench/load.json")
+    load.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
+    load.add_argument(
+        "--append", action="store_true",
+        help="keep the JSON's phases of other worker counts (e.g. a --no-start run per count)",
+    )  # fmt: skip
+    load.set_defaults(handler=_bench_load)
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
@@ -106,8 +157,6 @@ def _bench_decode(args: argparse.Namespace) -> int:
         print_report,
         run_decode_bench,
     )
-    from genrec.infra.errors import UserFacingError
-    from genrec.infra.settings import get_settings
 
     settings = get_settings()
     torch.set_num_threads(args.threads)
@@ -137,11 +186,40 @@ def _bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    import json
+
+    from genrec.app.bench.load import (
+        LoadConfig,
+        merge_reports,
+        print_summary,
+        run_load_bench,
+        write_report,
+    )
+    from genrec.infra.settings import get_settings
+
+    settings = get_settings()
+    config = LoadConfig(
+        rates=tuple(float(r) for r in (args.rates or "").split(",") if r.strip()),
+        step_s=args.step_s, drain_s=args.drain_s, p99_ms=args.p99_ms,
+        workers=tuple(int(w) for w in args.workers.split(",") if w.strip()),
+        start=not args.no_start,
+        worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
+        users=args.users, warmup_events=args.warmup_events, seed=args.seed,
+    )  # fmt: skip
+    json_path = args.json or settings.path("bench", "load.json")
+    report = run_load_bench(settings, config)
+    if args.append and json_path.exists():
+        report = merge_reports(json.loads(json_path.read_text()), report)
+    write_report(report, json_path, args.png or json_path.with_suffix(".png"))
+    print_summary(report)
+    print(f"load: wrote {json_path}")
+    return 0
+
+
 def _bench_ingest(args: argparse.Namespace) -> int:
     from genrec.app.bench.ingest import run_bench
     from genrec.app.postgres import PostgresUnavailable
-    from genrec.infra.errors import UserFacingError
-    from genrec.infra.settings import get_settings
 
     stores = tuple(s.strip() for s in args.stores.split(",") if s.strip())
     try:

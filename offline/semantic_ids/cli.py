@@ -15,6 +15,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from genrec.infra.settings import get_settings
+
+# Handlers import their step's modules when they run, so that `genrec --help` and
+# every other command start without torch, transformers, pandas or a database.
+
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
     offline = groups.group("offline", "Offline jobs: semantic IDs, training, KV precompute")
@@ -71,7 +76,6 @@ def build_summary(report) -> dict:
 
 def run_build(args: argparse.Namespace) -> int:
     from genrec.infra.database import make_engine
-    from genrec.infra.settings import get_settings
     from genrec.offline.semantic_ids.build import build_semantic_ids
 
     settings = get_settings()

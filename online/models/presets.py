@@ -39,6 +39,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from genrec.online.decoding.prefix_kv import cache_argument, output_cache
+from genrec.online.models.smollm2 import load_pretrained_with_items
 from genrec.schemas.token_layout import SCRATCH_SPECIAL_TOKENS, TokenLayout
 
 
@@ -146,16 +147,6 @@ def scratch_tokenizer(layout: TokenLayout) -> PreTrainedTokenizerFast:
     )
 
 
-def pretrained_layout(codes_per_level: tuple[int, ...], tokenizer) -> TokenLayout:
-    """Item tokens appended after a text tokenizer's vocabulary; its own special tokens."""
-    bos = tokenizer.bos_token_id
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    if bos is None or eos is None:
-        raise ValueError("the pretrained tokenizer needs BOS and EOS tokens")
-    return TokenLayout(tuple(codes_per_level), len(tokenizer), int(pad), int(bos), int(eos))
-
-
 # --- models -------------------------------------------------------------------
 
 
@@ -186,8 +177,6 @@ def _llama(
 def build_target(preset: ModelPreset, layout: TokenLayout, max_positions: int = 1024):
     """A fresh target model; pretrained presets load their checkpoint and resize embeddings."""
     if preset.pretrained is not None:
-        from genrec.online.models.smollm2 import load_pretrained_with_items
-
         model, _tokenizer = load_pretrained_with_items(layout)
         return model
     return _llama(

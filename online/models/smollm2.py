@@ -88,9 +88,17 @@ def load_text_tokenizer():
 
 def pretrained_item_layout(codes_per_level: tuple[int, ...], tokenizer=None) -> TokenLayout:
     """The token layout of SmolLM2 + item tokens: items after the text vocabulary."""
-    from genrec.online.models.presets import pretrained_layout
-
     return pretrained_layout(codes_per_level, tokenizer or load_text_tokenizer())
+
+
+def pretrained_layout(codes_per_level: tuple[int, ...], tokenizer) -> TokenLayout:
+    """Item tokens appended after a text tokenizer's vocabulary; its own special tokens."""
+    bos = tokenizer.bos_token_id
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if bos is None or eos is None:
+        raise ValueError("the pretrained tokenizer needs BOS and EOS tokens")
+    return TokenLayout(tuple(codes_per_level), len(tokenizer), int(pad), int(bos), int(eos))
 
 
 def load_pretrained_with_items(layout: TokenLayout):
