@@ -331,7 +331,7 @@ def test_broker_restart_mid_stream_loses_nothing(
         thread.join(timeout=60)
     assert not thread.is_alive()
     assert_exactly(url, 8000)
-    assert ingestor._poll.errors > 0  # the outage did reach poll(), and was ridden out
+    assert ingestor.loop.outage.errors > 0  # the outage did reach poll(), and was ridden out
 
 
 def test_two_processes_share_partitions_and_store_each_event_once(
