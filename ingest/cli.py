@@ -60,6 +60,8 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 
 def _ingest(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: kafka and sqlalchemy load for `genrec ingest` only.
+    from genrec.infra import metrics
     from genrec.infra.settings import get_settings
     from genrec.ingest.consumer import Ingestor
 
@@ -73,8 +75,6 @@ def _ingest(args: argparse.Namespace) -> int:
     port = args.metrics_port if args.metrics_port is not None else settings.ingest.metrics_port
     server = None
     if port is not None:
-        from genrec.infra import metrics
-
         server = metrics.start_metrics_server(port, ingestor.health, settings.ingest.metrics_host)
     try:
         ingestor.run(

@@ -34,6 +34,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Imported here, not at the top: torch, kafka and the models load for `genrec serve` only.
     import torch
 
     from genrec.infra import metrics
