@@ -30,6 +30,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from genrec.infra.errors import UserFacingError
+from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.offline.recall import BRANCHES, fit_branches, semantic_id_embeddings
 from genrec.offline.splits import Case, leave_one_out
 from genrec.online.branches import RecallBranch
@@ -154,8 +156,6 @@ class ProtocolData:
     """Split, catalog and timestamps of one store, loaded once for every ranker."""
 
     def __init__(self, engine) -> None:
-        from genrec.offline.history import load_item_ids, load_user_histories
-
         histories = load_user_histories(engine)
         self.item_ids = load_item_ids(engine)
         self.sequences = {u: [e.item_id for e in events] for u, events in histories.items()}
@@ -346,8 +346,6 @@ def _active_models(settings, engine, notes: list[str]):
     except ImportError as exc:
         notes.append(f"generative rankers skipped: {exc}")
         return None
-    from genrec.infra.errors import UserFacingError
-
     try:
         models = load_active_models(settings, engine)
     except (ImportError, FileNotFoundError, LookupError, UserFacingError) as exc:

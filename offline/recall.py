@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.online.branches import (
     AnnBranch,
     ItemCFBranch,
@@ -98,8 +99,6 @@ def semantic_id_embeddings(settings, engine, item_ids: Sequence[str]) -> np.ndar
 
 def fit_store_branches(settings, engine, until_ts_ms: int | None = None) -> dict[str, RecallBranch]:
     """Branches fitted on every stored event up to ``until_ts_ms`` (what serving uses)."""
-    from genrec.offline.history import load_item_ids, load_user_histories
-
     histories = load_user_histories(engine, until_ts_ms=until_ts_ms)
     if not histories:
         raise ValueError("the behavior store has no events to fit recall branches on")

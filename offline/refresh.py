@@ -37,10 +37,10 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, func, insert, select, update
 from tqdm.auto import tqdm
@@ -52,9 +52,17 @@ from genrec.infra.serving_versions import (
     mark_failed,
     recent_activated_versions,
 )
+from genrec.ingest.history import history_pages
+from genrec.offline.artifact_gc import collect_old_versions
+from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.run_lock import RunLock
+from genrec.offline.training import cli as train_cli
 from genrec.online.prefix_kv_store import PrefixKVEntry, open_kv_store
+from genrec.online.prompts import history_prompt
 from genrec.schemas.tables import events, items, job_runs, serving_versions
+
+if TYPE_CHECKING:
+    from genrec.ingest.history import HistoryEvent
 
 log = logging.getLogger(__name__)
 
@@ -66,20 +74,12 @@ class RefreshCancelled(RuntimeError):
     """The run was asked to stop (SIGTERM) or lost its lock; nothing was activated."""
 
 
-@dataclass(frozen=True)
-class UserEvent:
-    row: int  # events.id
-    item_id: str
-    ts_ms: int
-    event_id: str
-
-
 # --- the real steps (tests swap single ones for fakes or failures) --------------------
 
 
 def refresh_semantic_ids(settings, engine: Engine, full: bool) -> tuple[Any, dict[str, Any]]:
     """New items get semantic IDs; returns (semantic-ID version, summary)."""
-    from genrec.offline.semantic_ids.build import build_semantic_ids
+    from genrec.offline.semantic_ids.build import build_semantic_ids  # torch, faiss: slow import
 
     report = build_semantic_ids(settings, engine, full=full)
     return getattr(report, "version", None), _scalars(report)
@@ -91,8 +91,6 @@ def train_models(settings, engine: Engine, retrain_target: bool) -> None:
     Both end with a new active model version (``model_versions``), which the
     next step loads.
     """
-    from genrec.offline.training import cli as train_cli
-
     entry = getattr(train_cli, "train_for_refresh", None)
     if entry is None:
         raise RuntimeError(
@@ -104,6 +102,7 @@ def train_models(settings, engine: Engine, retrain_target: bool) -> None:
 
 def load_models(settings, engine: Engine):
     """The active model version (``GenerativeModels``), its target on the GPU when present."""
+    # torch and transformers load only when a run gets this far (slow imports)
     import torch
 
     from genrec.online.models.generative import load_active_models
@@ -117,21 +116,19 @@ def load_models(settings, engine: Engine):
 
 
 def has_active_model(engine: Engine) -> bool:
-    from genrec.online.models.store import active_model_row
+    from genrec.online.models.store import active_model_row  # loads torch, transformers
 
     return active_model_row(engine) is not None
 
 
 def fit_recall(settings, engine: Engine) -> None:
     """Refit the traditional branches on the store and swap them in where serving reads them."""
-    from genrec.offline.recall import fit_store_branches, save_branches
-
     root = settings.recall.artifacts_dir or settings.path("recall", "x").parent
     save_branches(fit_store_branches(settings, engine), root)
 
 
 def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> list:
-    from genrec.online.decoding.prefix_kv import compute_prefix_kv as compute
+    from genrec.online.decoding.prefix_kv import compute_prefix_kv as compute  # loads torch
 
     return compute(model, prompts, model_version, batch_size=max(1, len(prompts)))
 
@@ -292,8 +289,11 @@ class _Run:
             reuse_from = previous.kv_version if config.reuse_unchanged_kv else None
         totals = {"users": 0, "computed": 0, "reused": 0}
         # A page of users at a time: memory stays bounded however many users there are.
-        pages = _active_histories(
-            self.engine, cutoff_row, config.active_days, config.kv_users_per_read
+        pages = history_pages(
+            self.engine,
+            until_row=cutoff_row,
+            users_per_page=config.kv_users_per_read,
+            active_days=config.active_days,
         )
         for histories in pages:
             self._check_cancel()
@@ -311,7 +311,8 @@ class _Run:
         todo: list[tuple[PrefixKVEntry, list[int]]] = []
         reuse: list[tuple[PrefixKVEntry, PrefixKVEntry]] = []
         for user_id, history in histories.items():
-            prompt = models.prompt([e.item_id for e in history])
+            item_ids = [e.item_id for e in history]
+            prompt = history_prompt(item_ids, models.item_tokens, models.history_items)
             entry = _entry(user_id, kv_version, model_version, history, prompt)
             before = old.get(user_id)
             if before and (before.model_version, before.prompt_sha1) == (
@@ -356,8 +357,6 @@ class _Run:
     def _collect_garbage(self, report: RefreshReport) -> None:
         """After activation: drop KV, model and semantic-ID versions that the ``keep_versions``
         most recent serving versions do not need; plot KV sizes (best effort)."""
-        from genrec.offline.artifact_gc import collect_old_versions
-
         try:
             keep = recent_activated_versions(self.engine, self.settings.refresh.keep_versions)
             report.counts["kv_versions_removed"] = self.store.garbage_collect(keep)
@@ -408,60 +407,8 @@ def _event_cutoff_row(engine: Engine) -> int:
         return int(connection.execute(select(func.max(events.c.id))).scalar() or 0)
 
 
-def _active_histories(
-    engine: Engine, cutoff_row: int, active_days: float | None, users_per_page: int
-) -> Iterator[dict[str, list[UserEvent]]]:
-    """Pages of up to ``users_per_page`` users (in user-id order): each user's events with
-    ``id <= cutoff_row`` in time order (ties: insertion order).
-
-    With ``active_days``, only users with an event that recent (before the newest event).
-    """
-    below_cutoff = events.c.id <= cutoff_row
-    since = None
-    if active_days is not None:
-        with engine.connect() as connection:
-            newest = connection.execute(select(func.max(events.c.ts_ms)).where(below_cutoff))
-            newest_ts = newest.scalar()
-        if newest_ts is None:
-            return
-        since = newest_ts - int(active_days * 86_400_000)
-    after = None
-    while True:
-        users = _next_users(engine, below_cutoff, since, after, users_per_page)
-        if not users:
-            return
-        wanted = set(users)
-        query = (
-            select(
-                events.c.user_id, events.c.id, events.c.item_id, events.c.ts_ms, events.c.event_id
-            )
-            .where(below_cutoff, events.c.user_id >= users[0], events.c.user_id <= users[-1])
-            .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
-        )
-        histories: dict[str, list[UserEvent]] = {}
-        with engine.connect() as connection:
-            for user_id, row, item_id, ts_ms, event_id in connection.execute(query):
-                if user_id in wanted:  # the range may hold users who are not active
-                    histories.setdefault(user_id, []).append(
-                        UserEvent(row, item_id, ts_ms, event_id)
-                    )
-        yield histories
-        after = users[-1]
-
-
-def _next_users(engine: Engine, below_cutoff, since: int | None, after: str | None, limit: int):
-    """The next ``limit`` user ids after ``after`` (database order) with events below the cutoff."""
-    query = select(events.c.user_id).where(below_cutoff).group_by(events.c.user_id)
-    if after is not None:
-        query = query.where(events.c.user_id > after)
-    if since is not None:
-        query = query.having(func.max(events.c.ts_ms) >= since)
-    with engine.connect() as connection:
-        return list(connection.execute(query.order_by(events.c.user_id).limit(limit)).scalars())
-
-
 def _entry(
-    user_id: str, kv_version: int, model_version: str, history: Sequence[UserEvent], prompt
+    user_id: str, kv_version: int, model_version: str, history: Sequence[HistoryEvent], prompt
 ) -> PrefixKVEntry:
     """The user's index entry; the cutoff is the newest *stored* event read (largest row)."""
     cutoff = max(history, key=lambda e: e.row)

@@ -1,7 +1,7 @@
 """The evaluation protocol's data split: leave-one-out by time, fixed for every model.
 
 Each user's events are in stable time order (ties keep source order, see
-``genrec.offline.history``). The last item is the test target, the one before
+``genrec.ingest.history``). The last item is the test target, the one before
 it the validation target; training sees everything before the validation item.
 Evaluating the test target uses the full history up to (and including) the
 validation item.
@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
+
+from genrec.ingest.history import load_user_histories
 
 MIN_EVENTS = 3  # a user needs a training item, a validation item and a test item
 
@@ -78,8 +80,6 @@ def leave_one_out(
 
 def load_split(engine: Engine) -> Split:
     """The leave-one-out split of every user in the behavior store."""
-    from genrec.offline.history import load_user_histories
-
     histories = load_user_histories(engine)
     return leave_one_out(
         {user: [e.item_id for e in events] for user, events in histories.items()},

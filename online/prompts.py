@@ -1,4 +1,5 @@
-"""A user's history as a token sequence (offline step, models; also used online).
+"""A user's history as a token sequence: the one prompt builder of training, of the
+refresh's prefix-KV precompute and of serving (online step, models).
 
 The contract (see ``genrec.schemas.token_layout``): an item is its semantic ID,
 ``depth`` tokens, one per level. A prompt is::
@@ -10,13 +11,13 @@ for the last ``H`` items of the history in time order (``H`` =
 item's tokens followed by EOS. Pretrained presets may add each item's title as
 text *after* its ID tokens, so a prompt still ends where the next ID begins.
 
-Prefix rule: ``prompt(history + new_events)`` starts with ``prompt(history)``
-as long as the combined history has at most ``H`` items, so the online path can
-keep the KV cache of the long history and prefill only the new suffix. Once a
-user has more than ``H`` items the window slides and the prefix changes: the
-online path then keeps using the cached prefix (the window computed at the last
-offline refresh) extended by the new events, and every refresh recomputes the
-cache from the latest window.
+Prefix rule: ``prompt(history + new_events)`` is ``prompt(history)`` followed by
+the suffix ``history_tokens(new_events)`` as long as the combined history has at
+most ``H`` items, so the online path can keep the KV cache of the long history and
+prefill only the new suffix. Once a user has more than ``H`` items the window
+slides and the prefix changes: the online path then keeps using the cached prefix
+(the window computed at the last offline refresh) extended by the new events, and
+every refresh recomputes the cache from the latest window.
 
 Training uses the same layout on whole windows of a user's sequence: one causal
 pass predicts every item of the window from the items before it
@@ -31,6 +32,8 @@ Example::
     >>> layout = TokenLayout.for_scratch_model((4, 4))
     >>> table = ItemTokens(["a", "b"], np.array([[0, 1], [2, 3]]), layout)
     >>> history_prompt(["a", "b"], table, max_items=50)
+    [1, 4, 9, 6, 11]
+    >>> history_prompt(["a"], table, max_items=50) + history_tokens(["b"], table, max_items=50)
     [1, 4, 9, 6, 11]
     >>> target_tokens("b", table)
     [6, 11, 2]
@@ -86,16 +89,35 @@ def history_prompt(
     max_items: int,
     title_tokens: Mapping[str, Sequence[int]] | None = None,
 ) -> list[int]:
-    """BOS + the tokens of the last ``max_items`` known items of ``history``, oldest first."""
+    """BOS + the tokens of the last ``max_items`` known items of ``history``, oldest first.
+
+    The one prompt builder: training, the refresh's prefix-KV precompute and the online
+    recommender all build their prompts here (see the prefix rule above).
+    """
+    tokens = history_tokens(history, item_tokens, max_items, title_tokens)
+    return [item_tokens.layout.bos_token_id, *tokens]
+
+
+def history_tokens(
+    history: Sequence[str],
+    item_tokens: ItemTokens,
+    max_items: int,
+    title_tokens: Mapping[str, Sequence[int]] | None = None,
+) -> list[int]:
+    """``history_prompt`` without its BOS: the tokens of the last ``max_items`` known items.
+
+    Also what the online path appends to a cached prefix for the events after its cutoff,
+    so that ``history_prompt(older) + history_tokens(newer)`` is ``history_prompt(older +
+    newer)`` while the combined window holds at most ``max_items`` known items.
+    """
     if max_items < 1:
         raise ValueError("max_items must be >= 1")
-    items = item_tokens.known(history)[-max_items:]
-    prompt = [item_tokens.layout.bos_token_id]
-    for item_id in items:
-        prompt.extend(item_tokens.tokens_of(item_id))
+    tokens: list[int] = []
+    for item_id in item_tokens.known(history)[-max_items:]:
+        tokens.extend(item_tokens.tokens_of(item_id))
         if title_tokens is not None:
-            prompt.extend(title_tokens.get(item_id, ()))
-    return prompt
+            tokens.extend(title_tokens.get(item_id, ()))
+    return tokens
 
 
 def target_tokens(item_id: str, item_tokens: ItemTokens) -> list[int]:

@@ -36,16 +36,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine
 
 from genrec.infra import metrics
 from genrec.infra.settings import OnlineSettings, Settings
+from genrec.ingest.history import HistoryEvent, load_histories_of
+from genrec.online.auto_mode import AutoMode
 from genrec.online.merge import merge_lists
+from genrec.online.prompts import history_prompt, history_tokens
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
-from genrec.schemas.tables import events
+
+if TYPE_CHECKING:
+    from genrec.online.prompts import ItemTokens
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +76,6 @@ class Request:
         return cls(user_events[-1].user_id, user_events[-1], tuple(user_events), at)
 
 
-@dataclass(frozen=True)
-class HistoryEvent:
-    item_id: str
-    ts_ms: int
-    event_id: str
-    row: int | None  # events.id in the store; None for an event only held from Kafka
-
-
 @dataclass
 class GenerativeRequest:
     """What the decoder needs for one user. ``prefix_kv`` None -> decode ``full_prompt``."""
@@ -101,7 +98,7 @@ class GenerativeBatch:
 class GenerativeDecoder(Protocol):
     """Decodes a batch of users to their top items (seen items already removed)."""
 
-    item_tokens: Any  # genrec.online.prompts.ItemTokens: item ids, rows and tokens
+    item_tokens: ItemTokens  # item ids, rows and tokens
     history_items: int  # the model's history window H
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch: ...
@@ -230,8 +227,8 @@ class Recommender:
 
     def _histories(self, requests: Sequence[Request]) -> list[list[HistoryEvent]]:
         """Store history + events in hand (deduplicated by event_id), in time order."""
-        stored = read_store_histories(
-            self.engine, [r.user_id for r in requests], self.settings.max_history_events
+        stored = load_histories_of(
+            self.engine, [r.user_id for r in requests], newest=self.settings.max_history_events
         )
         histories = []
         for request in requests:
@@ -290,9 +287,7 @@ class Recommender:
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
         seen = sorted({item_tokens.index[e.item_id] for e in history if e.item_id in item_tokens})
-        full_prompt = [item_tokens.layout.bos_token_id]
-        for event in _known(history, item_tokens)[-window:]:
-            full_prompt.extend(item_tokens.tokens_of(event.item_id))
+        full_prompt = history_prompt([e.item_id for e in history], item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
         entry, prefix_kv = (None, None)
         if bundle.kv_store is not None and bundle.kv_version is not None:
@@ -305,10 +300,11 @@ class Recommender:
             metrics.FALLBACKS.labels(reason="no_prefix_kv").inc()
             return gen
         cutoff = entry.cutoff_event_row
-        suffix = [e for e in history if e.row is None or e.row > cutoff]
+        suffix = [e.item_id for e in history if e.row is None or e.row > cutoff]
         gen.prefix_kv = prefix_kv
-        for event in _known(suffix, item_tokens)[-window:]:
-            gen.suffix_tokens.extend(item_tokens.tokens_of(event.item_id))
+        # The cached prompt was built by history_prompt at the refresh: the suffix is
+        # laid out by the same builder, so prefix + suffix is the prompt of the history.
+        gen.suffix_tokens = history_tokens(suffix, item_tokens, window)
         stats["path"] = "prefix_kv"
         stats["suffix_tokens"] = len(gen.suffix_tokens)
         stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
@@ -378,24 +374,6 @@ def _generative_codes(rows: Sequence[tuple[str, float]], bundle) -> dict[str, li
     return dict(zip((i for i, _ in rows), item_tokens.layout.decode(tokens), strict=True))
 
 
-def read_store_histories(
-    engine: Engine, user_ids: Sequence[str], max_events: int
-) -> dict[str, list[HistoryEvent]]:
-    """Each user's newest ``max_events`` stored events, oldest first (ts, then insertion order)."""
-    if not user_ids:
-        return {}
-    query = (
-        select(events.c.id, events.c.user_id, events.c.item_id, events.c.ts_ms, events.c.event_id)
-        .where(events.c.user_id.in_(sorted(set(user_ids))))
-        .order_by(events.c.user_id, events.c.ts_ms, events.c.id)
-    )
-    histories: dict[str, list[HistoryEvent]] = {}
-    with engine.connect() as connection:
-        for row_id, user_id, item_id, ts_ms, event_id in connection.execute(query):
-            histories.setdefault(user_id, []).append(HistoryEvent(item_id, ts_ms, event_id, row_id))
-    return {user: rows[-max_events:] for user, rows in histories.items()}
-
-
 def merge_branches(
     lists: Mapping[str, Sequence[tuple[str, float]]], k: int, recall
 ) -> list[ScoredItem]:
@@ -414,11 +392,6 @@ def merge_branches(
         ScoredItem(item_id=item_id, score=float(score), rank=rank, branch=best[item_id][1])
         for rank, (item_id, score) in enumerate(merged)
     ]
-
-
-def _known(history: Sequence[HistoryEvent], item_tokens) -> list[HistoryEvent]:
-    """Events whose item has a semantic ID (new items wait for the next refresh)."""
-    return [e for e in history if e.item_id in item_tokens]
 
 
 def _observe_decoding(stats: Mapping[str, Any]) -> None:
@@ -451,9 +424,10 @@ class ModelDecoder:
     """
 
     def __init__(self, models, settings: OnlineSettings) -> None:
+        # torch and the decoding engine load here, not at import: a worker without a
+        # generative model (and every test with a fake decoder) never loads them.
         import torch
 
-        from genrec.online.auto_mode import AutoMode
         from genrec.online.decoding.speculative import AcceptanceMonitor
         from genrec.online.decoding.trie import ItemTrie
 
@@ -496,6 +470,7 @@ class ModelDecoder:
         return self.auto.next_mode() if self.auto is not None else self.settings.mode
 
     def decode(self, requests: Sequence[GenerativeRequest], beam_width: int) -> GenerativeBatch:
+        # loads torch, as in __init__
         from genrec.online.decoding.prefix_kv import PrefixBatch
 
         mode, started = self._next_mode(), time.perf_counter()
@@ -531,6 +506,7 @@ class ModelDecoder:
         KV is computed on a user's first request and kept with the target's (``companions``,
         so it shares the LRU entry): later requests prefill only the suffix in both models.
         """
+        # loads torch, as in __init__
         from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
 
         suffixes = [list(r.suffix_tokens) for r in requests]
@@ -549,12 +525,14 @@ class ModelDecoder:
     def _search(self, target_prompts, draft_prompts, beam_width: int, exclude, mode: str):
         """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
         if mode == "target":
+            # loads torch, as in __init__
             from genrec.online.decoding.beam_search import beam_search
 
             return beam_search(
                 self.models.target, target_prompts, self.trie, self.layout, beam_width,
                 exclude=exclude,
             )  # fmt: skip
+        # loads torch, as in __init__
         from genrec.online.decoding.speculative import speculative_beam_search
 
         if target_prompts is not draft_prompts:

@@ -19,6 +19,7 @@ from genrec.online.prompts import (
     IGNORE_INDEX,
     ItemTokens,
     history_prompt,
+    history_tokens,
     target_tokens,
     training_example,
 )
@@ -40,6 +41,21 @@ def test_prompt_layout_and_prefix_property():
     assert window[1:] == sum((items.tokens_of(i) for i in history[-3:]), [])
     # Unknown items (no semantic ID yet) are skipped.
     assert history_prompt(["unknown", *history], items, 50) == prompt
+
+
+def test_prompt_of_a_history_is_its_cached_prefix_followed_by_the_suffix():
+    items = random_items(20)
+    history = ["i3", "unknown", "i0", "i7", "i11", "new-item", "i5"]
+    titles = {"i0": [2, 2], "i7": [3]}
+    for n in range(len(history) + 1):
+        for title_tokens in (None, titles):
+            prefix = history_prompt(history[:n], items, 50, title_tokens)
+            suffix = history_tokens(history[n:], items, 50, title_tokens)
+            assert prefix + suffix == history_prompt(history, items, 50, title_tokens)
+    # the suffix keeps the window too: only its last max_items known items
+    assert history_tokens(history, items, 2) == items.tokens_of("i11") + items.tokens_of("i5")
+    with pytest.raises(ValueError, match="max_items"):
+        history_tokens(history, items, 0)
 
 
 def test_target_is_id_then_eos_and_training_labels_shift():

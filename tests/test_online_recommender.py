@@ -11,9 +11,10 @@ from sqlalchemy import insert
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import RecallSettings, Settings
+from genrec.ingest.history import history_pages
 from genrec.online.branches import PopularityBranch
 from genrec.online.live_version import ServingBundle, ServingVersions
-from genrec.online.prompts import ItemTokens
+from genrec.online.prompts import ItemTokens, history_prompt, history_tokens
 from genrec.online.recommender import (
     GenerativeBatch,
     PrefixKVCache,
@@ -130,6 +131,47 @@ def test_cached_user_gets_suffix_after_cutoff_plus_events_in_hand(store) -> None
     assert not seen & {i.item_id for i in message.items}
     assert len(message.items) == 3 and all(i.branch for i in message.items)
     assert message.model_version == "m1" and message.semantic_id_version == "s1"
+
+
+@dataclass
+class CachedPrefix:
+    prompt_ids: list[int]
+
+
+class PromptKVStore(FakeKVStore):
+    """Caches what the refresh caches: the prompt of the user's stored events up to the cutoff."""
+
+    def __init__(self, engine, entries: dict[str, Entry], item_tokens, history_items) -> None:
+        super().__init__(entries)
+        self.engine, self.item_tokens, self.history_items = engine, item_tokens, history_items
+
+    def load(self, entry, expected_model_version):
+        self.loads += 1
+        [page] = history_pages(self.engine, until_row=entry.cutoff_event_row, users_per_page=10)
+        [history] = page.values()
+        items = [e.item_id for e in history]
+        return CachedPrefix(history_prompt(items, self.item_tokens, self.history_items))
+
+
+@pytest.mark.parametrize("cutoff", [1, 2, 3])
+def test_online_prompt_is_the_cached_prefix_followed_by_the_suffix(store, cutoff) -> None:
+    # User 7's cached prefix covers their first ``cutoff`` stored events (items 1, 2, 3);
+    # the rest of the store and the events in hand (one with an item that has no semantic
+    # ID yet) are the suffix.
+    decoder = FakeDecoder()
+    tokens = decoder.item_tokens
+    kv_store = PromptKVStore(
+        store, {"7": Entry(cutoff, cutoff * 1000, f"s{cutoff}")}, tokens, decoder.history_items
+    )
+    request = Request.of([event("k1", "7", "4", 4000), event("k2", "7", "brand-new", 4500),
+                          event("k3", "7", "6", 5000)])  # fmt: skip
+    Recommender(Settings(online={"k": 3}), store).recommend([request], bundle(decoder, kv_store))
+    [[gen]] = decoder.calls
+    stored = ["1", "2", "3"]
+    assert gen.prefix_kv.prompt_ids == history_prompt(stored[:cutoff], tokens, 50)
+    suffix = [*stored[cutoff:], "4", "brand-new", "6"]
+    assert gen.suffix_tokens == history_tokens(suffix, tokens, 50)
+    assert gen.prefix_kv.prompt_ids + gen.suffix_tokens == gen.full_prompt
 
 
 def test_the_search_is_twice_k_wide_unless_set_and_k_items_are_served(store) -> None:

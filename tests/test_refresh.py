@@ -17,7 +17,7 @@ from sqlalchemy import Engine, insert, select, update
 from genrec.infra.database import make_engine
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import Settings
-from genrec.offline.refresh import RefreshCancelled, RefreshSteps, _active_histories, run_refresh
+from genrec.offline.refresh import RefreshCancelled, RefreshSteps, run_refresh
 from genrec.offline.run_lock import LockBusy, RunLock
 from genrec.online.models.generative import GenerativeModels
 from genrec.online.models.presets import PRESETS, build_target
@@ -173,23 +173,6 @@ def test_next_refresh_reuses_unchanged_users_and_collects_old_versions(sqlite_se
     assert sorted(p.name for p in root.iterdir()) == [
         f"v{second.kv_version:06d}", f"v{third.kv_version:06d}"
     ]  # fmt: skip
-
-
-def test_active_histories_come_in_pages_of_users_and_skip_inactive_ones(tmp_path) -> None:
-    engine = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
-    add_events(engine, range(USERS), per_user=3)  # ts 0 .. 2 s
-    add_events(engine, range(0, USERS, 2), per_user=2, start_ts=10 * 86_400_000)  # 10 days on
-    with engine.connect() as connection:
-        cutoff = connection.execute(select(events.c.id).order_by(events.c.id.desc())).first()[0]
-    pages = list(_active_histories(engine, cutoff, None, 5))
-    assert [len(page) for page in pages] == [5, 5, 2]
-    users = [user for page in pages for user in page]
-    assert len(set(users)) == USERS and all(len(page[u]) in (3, 5) for page in pages for u in page)
-    timestamps = [e.ts_ms for e in pages[0]["u0"]]
-    assert timestamps == sorted(timestamps)
-    active = [user for page in _active_histories(engine, cutoff, 1.0, 4) for user in page]
-    assert sorted(active) == sorted(f"u{u}" for u in range(0, USERS, 2))  # the last day only
-    assert list(_active_histories(engine, 0, 1.0, 4)) == []  # nothing below the cutoff
 
 
 def test_retraining_realigns_drafts_and_recomputes_every_user(sqlite_setup) -> None:

@@ -253,7 +253,7 @@ def _models_and_histories(
     settings, preset: str, users: int, suffix_events: int, random: bool, history_items: int
 ):
     from genrec.infra.database import make_engine
-    from genrec.offline.history import load_user_histories
+    from genrec.ingest.history import load_user_histories
 
     engine = make_engine(settings.database_url)
     stored = load_user_histories(engine)

@@ -48,7 +48,7 @@ from safetensors.torch import load_file as load_torch
 from safetensors.torch import save_file as save_torch
 from sqlalchemy import Engine, insert, select, update
 
-from genrec.offline.history import load_item_ids
+from genrec.ingest.history import load_item_ids
 from genrec.offline.semantic_ids.cooccurrence_mix import CooccurrenceMix, mix_cooccurrence
 from genrec.offline.semantic_ids.embeddings import (
     BehaviorModel,

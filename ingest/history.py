@@ -1,0 +1,155 @@
+"""Reads users' ordered histories back out of the behavior store (ingest step, the store's owner).
+
+The one reader of stored histories, with one event type (``HistoryEvent``), for every
+step that needs them:
+
+- ``load_user_histories``: every user, optionally up to a time (splits, evaluation,
+  recall fitting);
+- ``history_pages``: a page of users at a time up to an ``events.id`` cutoff, optionally
+  only recently active users (the refresh's prefix-KV precompute; memory stays bounded);
+- ``load_histories_of``: a given set of users in one query, each cut to their newest N
+  events (the online recommender);
+- ``load_item_ids``: the catalog plus every item seen in events.
+
+Order is by event time, ties broken by insertion order (``events.id``), which is the
+order the events were produced in: the stable sort every evaluation uses, and the order
+a cached prefix was built in.
+
+Example::
+
+    >>> from genrec.infra.database import make_engine
+    >>> engine = make_engine("sqlite:///:memory:")
+    >>> load_user_histories(engine), load_histories_of(engine, ["7"], newest=10)
+    ({}, {})
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from sqlalchemy import ColumnElement, Engine, Select, func, select
+
+from genrec.schemas.tables import events, items
+
+
+# slots: the offline readers hold every stored event at once, and a slotted event with
+# its row costs no more memory than the three-field one without slots did.
+@dataclass(frozen=True, slots=True)
+class HistoryEvent:
+    """One event of a user's history: a stored one, or (online) one only held from Kafka."""
+
+    item_id: str
+    ts_ms: int
+    event_id: str
+    row: int | None  # events.id in the store; None for an event not stored yet
+
+
+def load_user_histories(
+    engine: Engine, *, until_ts_ms: int | None = None
+) -> dict[str, list[HistoryEvent]]:
+    """Every user's events in time order (stable), optionally only those up to ``until_ts_ms``."""
+    conditions = [] if until_ts_ms is None else [events.c.ts_ms <= until_ts_ms]
+    return _grouped(engine, _history_query(*conditions))
+
+
+def load_histories_of(
+    engine: Engine, user_ids: Iterable[str], *, newest: int | None = None
+) -> dict[str, list[HistoryEvent]]:
+    """The events of ``user_ids`` in time order, in one query; with ``newest``, only each
+    user's newest ``newest`` events (older ones are dropped while reading)."""
+    if newest is not None and newest < 1:
+        raise ValueError(f"newest must be >= 1, got {newest}")
+    wanted = sorted(set(user_ids))
+    if not wanted:
+        return {}
+    return _grouped(engine, _history_query(events.c.user_id.in_(wanted)), newest=newest)
+
+
+def history_pages(
+    engine: Engine, *, until_row: int, users_per_page: int, active_days: float | None = None
+) -> Iterator[dict[str, list[HistoryEvent]]]:
+    """Pages of up to ``users_per_page`` users (in user-id order), each user's events with
+    ``events.id <= until_row`` in time order.
+
+    With ``active_days``, only users with an event that recent (counted back from the
+    newest event below the cutoff). Each page is two short queries (the next user ids,
+    then their events), so no read transaction stays open between pages.
+    """
+    below_cutoff = events.c.id <= until_row
+    active_since = None
+    if active_days is not None:
+        with engine.connect() as connection:
+            newest = connection.execute(select(func.max(events.c.ts_ms)).where(below_cutoff))
+            newest_ts = newest.scalar()
+        if newest_ts is None:
+            return
+        active_since = newest_ts - int(active_days * 86_400_000)
+    after = None
+    while True:
+        users = _next_users(engine, below_cutoff, active_since, after, users_per_page)
+        if not users:
+            return
+        # A range, not IN: a page can hold tens of thousands of users (more than a
+        # statement takes parameters); inactive users inside the range are skipped.
+        in_range = (events.c.user_id >= users[0], events.c.user_id <= users[-1])
+        yield _grouped(engine, _history_query(below_cutoff, *in_range), wanted=set(users))
+        after = users[-1]
+
+
+def load_item_ids(engine: Engine) -> list[str]:
+    """All catalog item ids plus any item seen only in events, sorted for determinism."""
+    with engine.connect() as connection:
+        catalog = {row[0] for row in connection.execute(select(items.c.item_id))}
+        seen = {row[0] for row in connection.execute(select(events.c.item_id).distinct())}
+    return sorted(catalog | seen, key=_natural_key)
+
+
+def _history_query(*conditions: ColumnElement[bool]) -> Select:
+    """Events in (user, time, insertion) order: each user's history comes out in one run."""
+    columns = (events.c.user_id, events.c.item_id, events.c.ts_ms, events.c.event_id, events.c.id)
+    return (
+        select(*columns).where(*conditions).order_by(events.c.user_id, events.c.ts_ms, events.c.id)
+    )
+
+
+def _grouped(
+    engine: Engine, query: Select, *, wanted: set[str] | None = None, newest: int | None = None
+) -> dict[str, list[HistoryEvent]]:
+    """The rows of a ``_history_query`` per user, only ``wanted`` users when given, each cut
+    to the newest ``newest`` events when given."""
+    histories: dict[str, list[HistoryEvent]] = {}
+    with engine.connect() as connection:
+        for user_id, item_id, ts_ms, event_id, row in connection.execute(query):
+            if wanted is not None and user_id not in wanted:
+                continue
+            history = histories.setdefault(user_id, [])
+            history.append(HistoryEvent(item_id, ts_ms, event_id, row))
+            if newest is not None and len(history) == 2 * newest:
+                del history[:newest]  # a long history never holds more than 2 * newest
+    if newest is not None:
+        for history in histories.values():
+            del history[:-newest]
+    return histories
+
+
+def _next_users(
+    engine: Engine,
+    below_cutoff: ColumnElement[bool],
+    active_since: int | None,
+    after: str | None,
+    limit: int,
+) -> list[str]:
+    """The next ``limit`` user ids after ``after`` (database order) with events below the
+    cutoff, and one at or after ``active_since`` when given."""
+    query = select(events.c.user_id).where(below_cutoff).group_by(events.c.user_id)
+    if after is not None:
+        query = query.where(events.c.user_id > after)
+    if active_since is not None:
+        query = query.having(func.max(events.c.ts_ms) >= active_since)
+    with engine.connect() as connection:
+        return list(connection.execute(query.order_by(events.c.user_id).limit(limit)).scalars())
+
+
+def _natural_key(item_id: str) -> tuple[int, int | str]:
+    return (0, int(item_id)) if item_id.isdigit() else (1, item_id)
