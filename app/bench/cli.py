@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from genrec.infra.errors import UserFacingError
@@ -187,8 +188,6 @@ def _bench_decode(args: argparse.Namespace) -> int:
 
 
 def _bench_load(args: argparse.Namespace) -> int:
-    import json
-
     from genrec.app.bench.load import (
         LoadConfig,
         merge_reports,
@@ -196,7 +195,6 @@ def _bench_load(args: argparse.Namespace) -> int:
         run_load_bench,
         write_report,
     )
-    from genrec.infra.settings import get_settings
 
     settings = get_settings()
     config = LoadConfig(
@@ -208,7 +206,10 @@ def _bench_load(args: argparse.Namespace) -> int:
         users=args.users, warmup_events=args.warmup_events, seed=args.seed,
     )  # fmt: skip
     json_path = args.json or settings.path("bench", "load.json")
-    report = run_load_bench(settings, config)
+    try:
+        report = run_load_bench(settings, config)
+    except (ValueError, TimeoutError) as exc:  # an empty store, workers that never answer
+        raise UserFacingError(str(exc)) from exc
     if args.append and json_path.exists():
         report = merge_reports(json.loads(json_path.read_text()), report)
     write_report(report, json_path, args.png or json_path.with_suffix(".png"))

@@ -1,0 +1,833 @@
+"""``genrec bench load``: open-loop load through the real broker against ``genrec serve`` (app).
+
+The bench produces events of existing users (read from the behavior store, each about
+a catalog item the user has not seen) to ``kafka.topic_events`` at offered rates that
+step up. Send times are fixed by the schedule and never wait for an answer (open loop):
+a worker that falls behind shows as growing latency, not as a load that politely slows
+down with it. A consumer group of the bench's own reads ``kafka.topic_recommendations``
+and times every event from its scheduled send to the receipt of the first message that
+covers it (``covered_event_ids``: an event coalesced into another's request counts as
+answered by that request's message).
+
+Per step it reports offered and answered events/s, requests/s (messages), p50/p95/p99
+and max latency, events still unanswered after a drain wait, events answered twice, and
+the workers' CPU (utime + stime from /proc, % of one core). A step overloads when its
+p99 exceeds ``p99_ms`` or an event is left unanswered; each phase stops after the first
+step that overloads, and its held rate is the highest offered rate that did not.
+
+By default each phase starts its own services as production runs them, one
+``genrec ingest`` beside N ``genrec serve`` workers (N = 1, then 2), in fresh consumer
+groups committed at the end of the events topic so no older event is served, and stops
+them when the phase ends (also on Ctrl-C or an error). With ``start=False`` it drives
+workers that already run; their pids, when given, let it read their CPU.
+
+Example::
+
+    $ genrec bench load --workers 1,2 --step-s 30
+    $ genrec bench load --no-start --worker-pids 4242 --append
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.partitioner.default import murmur2
+from pydantic_core import from_json
+from tqdm import tqdm
+
+from genrec.app.demo import skip_group_to_end, stop_service
+from genrec.infra.database import make_engine
+from genrec.infra.topics import create_topics, subscribe_when_ready
+from genrec.ingest.history import load_item_ids, load_user_histories
+from genrec.schemas.events import UserEvent
+
+if TYPE_CHECKING:
+    from genrec.infra.settings import Settings
+
+log = logging.getLogger(__name__)
+
+FIRST_RATE = 25.0  # events/s of the first step
+LAST_RATE = 3200.0  # ... and of the last one, doubling in between
+WARMUP_RATE = 20.0  # events/s of the warm-up traffic
+START_LEAD_S = 0.05  # between planning a step and its first send
+ANSWER_POLL_MS = 100  # the answers consumer's poll timeout: bounds how fast it stops
+STOP_TIMEOUT_S = 60.0  # SIGTERM, then this long before SIGKILL
+GROUP_POLL_S = 0.5
+ITEM_TRIES = 32  # random catalog picks before settling for an item the user has seen
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What one ``bench load`` run does."""
+
+    rates: tuple[float, ...] = ()  # offered events/s per step; empty: FIRST_RATE..LAST_RATE
+    step_s: float = 30.0
+    drain_s: float = 30.0  # after a step's last send: wait this long for its answers at most
+    p99_ms: float = 100.0
+    workers: tuple[int, ...] = (1, 2)  # one phase per count (started services)
+    start: bool = True  # False: drive workers that already run (one phase)
+    worker_pids: tuple[int, ...] = ()  # their processes, for CPU (start=False)
+    users: int | None = None  # at most this many store users (None: all)
+    warmup_events: int = 40  # per worker, after the first answer, before the first step
+    ready_timeout_s: float = 300.0  # for the workers to join and answer their first event
+    seed: int = 0
+    progress: bool = True  # a tqdm bar per step, on a terminal only
+
+    def step_rates(self) -> tuple[float, ...]:
+        return self.rates or tuple(doubling_rates(FIRST_RATE, LAST_RATE))
+
+    def phase_workers(self) -> tuple[int, ...]:
+        """Worker counts, one phase each; already running workers are one phase."""
+        if self.start:
+            return self.workers
+        return (len(self.worker_pids) or self.workers[0],)
+
+
+# --- the schedule and the figures (pure) ------------------------------------------------
+
+
+def doubling_rates(first: float = FIRST_RATE, last: float = LAST_RATE) -> list[float]:
+    """``first``, twice that, ... up to ``last`` (inclusive)."""
+    if first <= 0 or last < first:
+        raise ValueError(f"rates need 0 < first <= last, got {first} and {last}")
+    rates = []
+    rate = first
+    while rate <= last * (1 + 1e-9):
+        rates.append(rate)
+        rate *= 2
+    return rates
+
+
+def send_offsets(rate: float, step_s: float) -> np.ndarray:
+    """Seconds after a step's start at which its events are due: evenly spaced, at least one."""
+    if rate <= 0 or step_s <= 0:
+        raise ValueError(f"a step needs a positive rate and length, got {rate} and {step_s}")
+    return np.arange(max(1, round(rate * step_s))) / rate
+
+
+def users_by_partition(users: Sequence[str], partitions: int) -> dict[int, str]:
+    """One user per events partition, by the producer's key hash (murmur2 of ``user_id``):
+    a round of their events reaches every worker of the group."""
+    chosen: dict[int, str] = {}
+    for user in users:
+        chosen.setdefault((murmur2(user.encode()) & 0x7FFFFFFF) % partitions, user)
+        if len(chosen) == partitions:
+            break
+    return chosen
+
+
+@dataclass(frozen=True)
+class Answers:
+    """What the answers consumer saw of some events."""
+
+    first_at: Mapping[str, float]  # event id -> monotonic receipt of its first answer
+    times: Mapping[str, int]  # event id -> messages that covered it
+    requests: int  # messages triggered by one of these events
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One offered rate against one worker count."""
+
+    workers: int
+    offered_eps: float
+    events: int
+    answered: int
+    answered_eps: float  # answered events / (first due send .. last first answer)
+    requests: int
+    requests_ps: float
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+    max_ms: float | None
+    unanswered: int  # after the drain wait
+    answered_twice: int
+    worker_cpu_pct: float | None  # % of one core, summed over the workers
+    send_lag_p99_ms: float  # how late the bench itself sent (included in the latency)
+    overloaded: bool
+
+
+def latency_figures(latencies_ms: Sequence[float]) -> dict[str, float | None]:
+    """p50/p95/p99 (linear interpolation) and max, in ms; all None without a latency."""
+    if len(latencies_ms) == 0:
+        return dict.fromkeys(("p50_ms", "p95_ms", "p99_ms", "max_ms"))
+    values = np.asarray(latencies_ms, dtype=float)
+    p50, p95, p99 = np.percentile(values, [50, 95, 99])
+    return {
+        "p50_ms": round(float(p50), 2),
+        "p95_ms": round(float(p95), 2),
+        "p99_ms": round(float(p99), 2),
+        "max_ms": round(float(values.max()), 2),
+    }
+
+
+def is_overloaded(p99_ms: float | None, unanswered: int, p99_limit_ms: float) -> bool:
+    """Over the latency bound, nothing answered at all, or anything left unanswered."""
+    return p99_ms is None or p99_ms > p99_limit_ms or unanswered > 0
+
+
+def summarize_step(
+    workers: int,
+    rate: float,
+    scheduled: Mapping[str, float],
+    answers: Answers,
+    *,
+    p99_limit_ms: float,
+    cpu_pct: float | None = None,
+    send_lags_s: Sequence[float] = (),
+) -> StepResult:
+    """The step's figures from each event's due time and its answers' receipt times."""
+    latencies = [
+        1000.0 * (answers.first_at[event_id] - due)
+        for event_id, due in scheduled.items()
+        if event_id in answers.first_at
+    ]
+    figures = latency_figures(latencies)
+    answered = len(latencies)
+    span = 0.0
+    if answered:
+        span = max(answers.first_at[e] for e in scheduled if e in answers.first_at)
+        span -= min(scheduled.values())
+    unanswered = len(scheduled) - answered
+    lag = float(np.percentile(send_lags_s, 99)) * 1000.0 if len(send_lags_s) else 0.0
+    return StepResult(
+        workers=workers,
+        offered_eps=rate,
+        events=len(scheduled),
+        answered=answered,
+        answered_eps=round(answered / span, 2) if span > 0 else 0.0,
+        requests=answers.requests,
+        requests_ps=round(answers.requests / span, 2) if span > 0 else 0.0,
+        **figures,
+        unanswered=unanswered,
+        answered_twice=sum(1 for e in scheduled if answers.times.get(e, 0) > 1),
+        worker_cpu_pct=None if cpu_pct is None else round(cpu_pct, 1),
+        send_lag_p99_ms=round(lag, 2),
+        overloaded=is_overloaded(figures["p99_ms"], unanswered, p99_limit_ms),
+    )
+
+
+def held_rate(steps: Sequence[StepResult]) -> float | None:
+    """The highest offered rate of a step that did not overload (None: not even the first)."""
+    held = [step.offered_eps for step in steps if not step.overloaded]
+    return max(held) if held else None
+
+
+def worker_ratio(
+    by_workers: Mapping[int, float | None], more: int = 2, fewer: int = 1
+) -> float | None:
+    """``by_workers[more] / by_workers[fewer]`` where both are known and the divisor positive."""
+    high, low = by_workers.get(more), by_workers.get(fewer)
+    if high is None or not low:
+        return None
+    return round(high / low, 3)
+
+
+# --- events in ----------------------------------------------------------------------------
+
+
+class EventPicker:
+    """Events of store users about catalog items each has not seen yet (seeded)."""
+
+    def __init__(
+        self,
+        seen: Mapping[str, set[str]],
+        catalog: Sequence[str],
+        *,
+        prefix: str,
+        seed: int = 0,
+    ) -> None:
+        if not seen or not catalog:
+            raise ValueError("the behavior store has no users or no items: ingest events first")
+        self.users = sorted(seen)
+        self.catalog = list(catalog)
+        self.prefix = prefix
+        self._seen = {user: set(items) for user, items in seen.items()}
+        self._rng = random.Random(seed)
+        self._counter = itertools.count()
+
+    def event(self, tag: str, user_id: str | None = None) -> UserEvent:
+        """The next event (a random user's unless ``user_id``); its id names the run and tag."""
+        user = user_id if user_id is not None else self._rng.choice(self.users)
+        return UserEvent(
+            event_id=f"{self.prefix}-{tag}-{next(self._counter)}",
+            user_id=user,
+            item_id=self._unseen_item(user),
+            event_type="view",
+            ts=int(time.time() * 1000),
+        )
+
+    def _unseen_item(self, user: str) -> str:
+        seen = self._seen.setdefault(user, set())
+        item = self._rng.choice(self.catalog)
+        for _ in range(ITEM_TRIES):
+            if item not in seen:
+                break
+            item = self._rng.choice(self.catalog)
+        seen.add(item)
+        return item
+
+
+def store_users(settings: Settings, limit: int | None, seed: int) -> dict[str, set[str]]:
+    """Each store user's items (at most ``limit`` users, a seeded sample)."""
+    engine = make_engine(str(settings.database_url))
+    try:
+        histories = load_user_histories(engine)
+    finally:
+        engine.dispose()
+    users = sorted(histories)
+    if limit is not None and limit < len(users):
+        users = sorted(random.Random(seed).sample(users, limit))
+    return {user: {event.item_id for event in histories[user]} for user in users}
+
+
+def catalog_items(settings: Settings) -> list[str]:
+    engine = make_engine(str(settings.database_url))
+    try:
+        return load_item_ids(engine)
+    finally:
+        engine.dispose()
+
+
+class EventSender:
+    """The bench's producer of user events, keyed by user like every producer of them."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.topic = settings.kafka.topic_events
+        self.producer = KafkaProducer(**settings.kafka.client_config(), acks="all", linger_ms=2)
+        self.partitions = len(self.producer.partitions_for(self.topic))
+        self._failures: list[BaseException] = []
+
+    def send(self, event: UserEvent) -> None:
+        future = self.producer.send(self.topic, key=event.kafka_key(), value=event.to_json_bytes())
+        future.add_errback(self._failures.append)
+
+    def flush(self) -> None:
+        self.producer.flush(timeout=60)
+        if self._failures:
+            raise RuntimeError(f"{len(self._failures)} events were not acknowledged: "
+                               f"{self._failures[0]!r}")  # fmt: skip
+
+    def close(self) -> None:
+        self.producer.close(timeout=10)
+
+
+def send_on_schedule(
+    sender: EventSender,
+    picker: EventPicker,
+    tag: str,
+    offsets: np.ndarray,
+    progress: bool = False,
+) -> tuple[dict[str, float], list[float]]:
+    """Send one event at each offset (open loop); returns each id's due time and the lags."""
+    scheduled: dict[str, float] = {}
+    lags: list[float] = []
+    start = time.monotonic() + START_LEAD_S
+    bar = tqdm(offsets, desc=tag, unit="ev", leave=False, disable=not progress)
+    for offset in bar:
+        due = start + float(offset)
+        wait = due - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        event = picker.event(tag)
+        sender.send(event)
+        scheduled[event.event_id] = due
+        lags.append(max(0.0, time.monotonic() - due))
+    bar.close()
+    sender.flush()
+    return scheduled, lags
+
+
+# --- answers out --------------------------------------------------------------------------
+
+
+def covered_ids(payload: Mapping[str, Any]) -> list[str]:
+    """The event ids one recommendation message answers (the trigger last)."""
+    covered = payload.get("covered_event_ids") or payload.get("decoding", {}).get(
+        "covered_event_ids"
+    )
+    if covered:
+        return [str(event_id) for event_id in covered]
+    trigger = payload.get("request_id") or payload.get("event_id")
+    return [str(trigger)] if trigger is not None else []
+
+
+class AnswerLog:
+    """Reads the recommendations topic in a thread, with a consumer group of its own.
+
+    Constructed assigned and positioned at the topic's end, so everything the bench
+    produces afterwards is seen.
+    """
+
+    def __init__(self, settings: Settings, group_id: str, timeout_s: float) -> None:
+        self.consumer = KafkaConsumer(
+            **settings.kafka.client_config(), group_id=group_id, enable_auto_commit=False,
+            auto_offset_reset="latest", fetch_max_wait_ms=50,
+        )  # fmt: skip
+        try:
+            _assign(self.consumer, settings.kafka.topic_recommendations, timeout_s)
+        except BaseException:
+            self.consumer.close()
+            raise
+        self._lock = threading.Lock()
+        self._first_at: dict[str, float] = {}
+        self._times: Counter[str] = Counter()
+        self._triggers: Counter[str] = Counter()
+        self._halt = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="answers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                polled = self.consumer.poll(timeout_ms=ANSWER_POLL_MS, max_records=5000)
+                received_at = time.monotonic()
+                for records in polled.values():
+                    self._record([covered_ids(from_json(r.value)) for r in records], received_at)
+        except BaseException as exc:  # seen by the main thread at its next look
+            self._error = exc
+
+    def _record(self, messages: list[list[str]], received_at: float) -> None:
+        with self._lock:
+            for ids in messages:
+                if ids:
+                    self._triggers[ids[-1]] += 1
+                for event_id in ids:
+                    self._first_at.setdefault(event_id, received_at)
+                    self._times[event_id] += 1
+
+    def lookup(self, event_ids: Iterable[str]) -> Answers:
+        self._raise_if_failed()
+        with self._lock:
+            ids = list(event_ids)
+            return Answers(
+                first_at={e: self._first_at[e] for e in ids if e in self._first_at},
+                times={e: self._times[e] for e in ids if e in self._times},
+                requests=sum(self._triggers.get(e, 0) for e in ids),
+            )
+
+    def wait_for(
+        self,
+        event_ids: Iterable[str],
+        timeout_s: float,
+        check: Callable[[], None] | None = None,
+    ) -> bool:
+        """True once every one of ``event_ids`` is answered; False after ``timeout_s``."""
+        wanted = list(event_ids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._raise_if_failed()
+            with self._lock:
+                missing = sum(1 for e in wanted if e not in self._first_at)
+            if not missing:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if check is not None:
+                check()
+            time.sleep(0.05)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("reading the recommendations failed") from self._error
+
+    def close(self) -> None:
+        self._halt.set()
+        self._thread.join(timeout=10)
+        self.consumer.close()
+
+
+def _assign(consumer: KafkaConsumer, topic: str, timeout_s: float) -> None:
+    """Subscribe, poll until the group assigns the partitions, and resolve their end offsets."""
+    subscribe_when_ready(consumer, topic, timeout_s=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while not consumer.assignment():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the answers consumer got no partition of {topic} in {timeout_s:.0f} s"
+            )
+        consumer.poll(timeout_ms=ANSWER_POLL_MS)
+    for partition in consumer.assignment():
+        consumer.position(partition)  # the "latest" reset happens now, before any send
+
+
+# --- the processes --------------------------------------------------------------------------
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """utime + stime of ``pid`` in seconds, from /proc (None once it is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # After the parenthesised name (which may hold spaces): state is field 3, utime 14, stime 15.
+    fields = text.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU of a set of processes between ``start`` and ``percent``, as % of one core."""
+
+    def __init__(self, pids: Sequence[int]) -> None:
+        self.pids = tuple(pids)
+        self._started: tuple[float, float | None] = (time.monotonic(), None)
+
+    def _total(self) -> float | None:
+        times = [process_cpu_s(pid) for pid in self.pids]
+        if not times or any(t is None for t in times):
+            return None
+        return sum(times)
+
+    def start(self) -> None:
+        self._started = (time.monotonic(), self._total())
+
+    def percent(self) -> float | None:
+        began, cpu_before = self._started
+        cpu_now, wall = self._total(), time.monotonic() - began
+        if cpu_before is None or cpu_now is None or wall <= 0:
+            return None
+        return 100.0 * (cpu_now - cpu_before) / wall
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """``GENREC_*`` variables that give a child process this one's store, data and topics."""
+    kafka = settings.kafka
+    values = {
+        "HOME": settings.home, "DATA_DIR": settings.data_dir,
+        "DATABASE_URL": settings.database_url, "KAFKA__BOOTSTRAP": kafka.bootstrap,
+        "KAFKA__TOPIC_EVENTS": kafka.topic_events, "KAFKA__TOPIC_DLQ": kafka.topic_dlq,
+        "KAFKA__TOPIC_RECOMMENDATIONS": kafka.topic_recommendations,
+    }  # fmt: skip
+    return {f"GENREC_{name}": str(value) for name, value in values.items()}
+
+
+class Services:
+    """One ``genrec ingest`` and ``workers`` x ``genrec serve``, in consumer groups of their own."""
+
+    def __init__(self, settings: Settings, workers: int, run_id: str) -> None:
+        self.settings = settings
+        self.workers = workers
+        self.online_group = f"{settings.online.group_id}-load-{run_id}-{workers}"
+        self.ingest_group = f"{settings.ingest.group_id}-load-{run_id}-{workers}"
+        self.log_dir = settings.path("logs", "x").parent
+        self.run_id = run_id
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self) -> None:
+        """Commit both groups at the end of the events topic, then start the processes."""
+        topic = self.settings.kafka.topic_events
+        for group in (self.ingest_group, self.online_group):
+            skip_group_to_end(self.settings, group, topic)
+        self._launch("ingest", ["ingest", "--group", self.ingest_group], {})
+        overrides = {"GENREC_ONLINE__GROUP_ID": self.online_group,
+                     "GENREC_ONLINE__AUTO_OFFSET_RESET": "earliest"}  # fmt: skip
+        for n in range(self.workers):
+            self._launch(f"serve-{n + 1}", ["serve", "--metrics-port", "0"], overrides)
+
+    def _launch(self, name: str, args: list[str], overrides: dict[str, str]) -> None:
+        env = {**os.environ, **settings_environment(self.settings), **overrides,
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        path = self.log_path(name)
+        with path.open("ab") as handle:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "genrec.app.cli", *args],
+                env=env, stdout=handle, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        self.processes.append((name, process))
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"load-{self.run_id}-{self.workers}w-{name}.log"
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for name, p in self.processes if name.startswith("serve")]
+
+    def check_alive(self) -> None:
+        """Raise if a service has exited (it should run until ``stop``)."""
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; "
+                                   f"see {self.log_path(name)}")  # fmt: skip
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Until every worker holds partitions of the events topic in a stable group."""
+        admin = KafkaAdminClient(**self.settings.kafka.client_config())
+        try:
+            deadline = time.monotonic() + timeout_s
+            while assigned_members(admin, self.online_group) < self.workers:
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.workers} workers did not join group "
+                                       f"{self.online_group} in {timeout_s:.0f} s")  # fmt: skip
+                time.sleep(GROUP_POLL_S)
+        finally:
+            admin.close()
+
+    def stop(self) -> None:
+        """Workers first (each finishes its batch in hand), then ingest; SIGKILL if stuck."""
+        for name, process in reversed(self.processes):
+            code = stop_service(process, timeout=STOP_TIMEOUT_S)
+            if code not in (0, None):
+                log.warning("%s exited with %s; see %s", name, code, self.log_path(name))
+        self.processes.clear()
+
+
+def assigned_members(admin: KafkaAdminClient, group: str) -> int:
+    """Members of a stable ``group`` that hold at least one partition (0 while rebalancing)."""
+    description = admin.describe_groups([group]).get(group) or {}
+    if str(description.get("group_state", "")).lower() != "stable":
+        return 0
+    holding = 0
+    for member in description.get("members", []):
+        assignment = member.get("member_assignment") or {}
+        if any(topic.get("partitions") for topic in assignment.get("assigned_partitions", [])):
+            holding += 1
+    return holding
+
+
+@contextlib.contextmanager
+def started_services(settings: Settings, workers: int, run_id: str) -> Iterator[Services]:
+    """Services running for the block, stopped on the way out whatever happens."""
+    services = Services(settings, workers, run_id)
+    try:
+        services.start()
+        yield services
+    finally:
+        services.stop()
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class _Traffic:
+    """The bench's side of Kafka for a whole run."""
+
+    sender: EventSender
+    picker: EventPicker
+    answers: AnswerLog
+    config: LoadConfig
+
+
+def warm_up(traffic: _Traffic, workers: int, check: Callable[[], None] | None) -> None:
+    """Until every worker answers: one event per partition first, then a little steady
+    traffic (auto-mode timing, first prefix-KV reads); all of it must be answered."""
+    config = traffic.config
+    users = users_by_partition(traffic.picker.users, traffic.sender.partitions)
+    first = [traffic.picker.event("warm", user) for user in users.values()]
+    for event in first:
+        traffic.sender.send(event)
+    traffic.sender.flush()
+    if not traffic.answers.wait_for([e.event_id for e in first], config.ready_timeout_s, check):
+        raise TimeoutError(f"no answer to the warm-up events in {config.ready_timeout_s:.0f} s: "
+                           "are the workers running on this topic?")  # fmt: skip
+    count = max(1, config.warmup_events * workers)
+    scheduled, _ = send_on_schedule(
+        traffic.sender, traffic.picker, "warm", send_offsets(WARMUP_RATE, count / WARMUP_RATE)
+    )
+    if not traffic.answers.wait_for(scheduled, config.ready_timeout_s, check):
+        raise TimeoutError(
+            f"the warm-up traffic was not answered in {config.ready_timeout_s:.0f} s"
+        )
+
+
+def run_step(
+    traffic: _Traffic,
+    workers: int,
+    rate: float,
+    pids: Sequence[int],
+    check: Callable[[], None] | None,
+) -> StepResult:
+    """Offer ``rate`` for ``step_s``, wait up to ``drain_s`` for the answers, summarize."""
+    config = traffic.config
+    meter = CpuMeter(pids)
+    meter.start()
+    scheduled, lags = send_on_schedule(
+        traffic.sender, traffic.picker, f"{workers}w-{rate:g}", send_offsets(rate, config.step_s),
+        progress=config.progress and sys.stderr.isatty(),
+    )  # fmt: skip
+    traffic.answers.wait_for(scheduled, config.drain_s, check)
+    return summarize_step(
+        workers, rate, scheduled, traffic.answers.lookup(scheduled), p99_limit_ms=config.p99_ms,
+        cpu_pct=meter.percent(), send_lags_s=lags,
+    )  # fmt: skip
+
+
+def run_phase(
+    traffic: _Traffic, workers: int, pids: Sequence[int], check: Callable[[], None] | None
+) -> dict[str, Any]:
+    """Warm up, then step the rate up until a step overloads."""
+    warm_up(traffic, workers, check)
+    steps: list[StepResult] = []
+    for rate in traffic.config.step_rates():
+        step = run_step(traffic, workers, rate, pids, check)
+        steps.append(step)
+        print(step_line(step), flush=True)
+        if step.overloaded:
+            break
+    return phase_report(workers, steps, pids)
+
+
+def phase_report(workers: int, steps: Sequence[StepResult], pids: Sequence[int]) -> dict[str, Any]:
+    return {
+        "workers": workers,
+        "worker_pids": list(pids),
+        "held_eps": held_rate(steps),
+        "peak_answered_eps": max((s.answered_eps for s in steps), default=None),
+        "steps": [asdict(step) for step in steps],
+    }
+
+
+def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
+    """Every phase of ``config``; returns the report (see ``build_report``)."""
+    run_id = uuid.uuid4().hex[:8]
+    picker = EventPicker(
+        store_users(settings, config.users, config.seed), catalog_items(settings),
+        prefix=f"load-{run_id}", seed=config.seed,
+    )  # fmt: skip
+    if config.start:
+        create_topics(settings.kafka)
+    phases = []
+    with contextlib.ExitStack() as stack:
+        answers = AnswerLog(settings, f"genrec-bench-load-{run_id}", config.ready_timeout_s)
+        stack.callback(answers.close)
+        sender = EventSender(settings)
+        stack.callback(sender.close)
+        traffic = _Traffic(sender, picker, answers, config)
+        for workers in config.phase_workers():
+            if not config.start:
+                phases.append(run_phase(traffic, workers, config.worker_pids, None))
+                continue
+            with started_services(settings, workers, run_id) as services:
+                print(f"load: starting ingest and {workers} serve (logs {services.log_path('*')})")
+                services.wait_ready(config.ready_timeout_s)
+                phases.append(
+                    run_phase(traffic, workers, services.worker_pids(), services.check_alive)
+                )
+    return build_report(settings, config, phases, run_id)
+
+
+def build_report(
+    settings: Settings, config: LoadConfig, phases: Sequence[dict[str, Any]], run_id: str
+) -> dict[str, Any]:
+    online, kafka = settings.online, settings.kafka
+    return {
+        "bench": "load",
+        "run_id": run_id,
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "host": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "config": {**asdict(config), "rates": list(config.step_rates())},
+        "kafka": {"bootstrap": kafka.bootstrap, "topic_events": kafka.topic_events,
+                  "topic_recommendations": kafka.topic_recommendations},
+        # As this process reads them: the workers it starts share them; running ones may not.
+        "online": {"batch_window_ms": online.batch_window_ms, "k": online.k,
+                   "max_batch_users": online.max_batch_users, "mode": online.mode,
+                   "beam_width": online.generative_beams()},
+        "phases": list(phases),
+        **ratios(phases),
+    }  # fmt: skip
+
+
+def ratios(phases: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """The 2-worker / 1-worker ratios of held rates and of peak answered throughput."""
+    held = {p["workers"]: p["held_eps"] for p in phases}
+    peak = {p["workers"]: p["peak_answered_eps"] for p in phases}
+    return {"held_ratio_2_over_1": worker_ratio(held), "peak_ratio_2_over_1": worker_ratio(peak)}
+
+
+def merge_reports(previous: Mapping[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` plus the phases of ``previous`` for worker counts it did not run."""
+    ran = {p["workers"] for p in report["phases"]}
+    kept = [p for p in previous.get("phases", []) if p["workers"] not in ran]
+    phases = sorted([*kept, *report["phases"]], key=lambda p: p["workers"])
+    return {**report, "phases": phases, **ratios(phases)}
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def step_line(step: StepResult) -> str:
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    cpu = "-" if step.worker_cpu_pct is None else f"{step.worker_cpu_pct:.0f}%"
+    verdict = "OVERLOADED" if step.overloaded else "held"
+    return (
+        f"load {step.workers}w {step.offered_eps:>6g} ev/s offered: {step.answered_eps:7.1f} "
+        f"answered, {step.requests_ps:7.1f} req/s, p50/p95/p99/max {ms(step.p50_ms)}/"
+        f"{ms(step.p95_ms)}/{ms(step.p99_ms)}/{ms(step.max_ms)} ms, unanswered "
+        f"{step.unanswered}, twice {step.answered_twice}, worker CPU {cpu}, send lag p99 "
+        f"{step.send_lag_p99_ms:.0f} ms: {verdict}"
+    )
+
+
+def print_summary(report: Mapping[str, Any]) -> None:
+    for phase in report["phases"]:
+        held = phase["held_eps"]
+        held_text = f"{held:g} events/s" if held is not None else "no rate"
+        print(f"load {phase['workers']} worker(s): held {held_text} at p99 <= "
+              f"{report['config']['p99_ms']:g} ms; peak answered "
+              f"{phase['peak_answered_eps'] or 0:.1f} events/s")  # fmt: skip
+    held_ratio, peak_ratio = report["held_ratio_2_over_1"], report["peak_ratio_2_over_1"]
+    line = "load 2-worker / 1-worker held rate: "
+    line += (
+        "n/a (a phase held no rate or did not run)" if held_ratio is None else f"{held_ratio:.2f}x"
+    )
+    if peak_ratio is not None:
+        line += f"; peak answered throughput {peak_ratio:.2f}x"
+    print(line)
+
+
+def write_report(report: Mapping[str, Any], json_path: Path, png_path: Path) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot_latency(report["phases"], report["config"]["p99_ms"], png_path)
+
+
+def plot_latency(phases: Sequence[Mapping[str, Any]], p99_limit_ms: float, path: Path) -> None:
+    """p50 (solid) and p99 (dashed) latency against answered events/s, a colour per worker count."""
+    import matplotlib  # lazy: pyplot costs a second of start-up
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for phase, color in zip(phases, itertools.cycle(["C0", "C1", "C2", "C3"]), strict=False):
+        steps = [s for s in phase["steps"] if s["p50_ms"] is not None and s["answered_eps"] > 0]
+        throughput = [s["answered_eps"] for s in steps]
+        label = f"{phase['workers']} worker{'s' if phase['workers'] != 1 else ''}"
+        ax.plot(
+            throughput, [s["p50_ms"] for s in steps], marker="o", color=color, label=f"{label} p50"
+        )
+        ax.plot(throughput, [s["p99_ms"] for s in steps], marker="s", ls="--", color=color,
+                label=f"{label} p99")  # fmt: skip
+    ax.axhline(p99_limit_ms, color="grey", lw=0.8, ls=":", label=f"p99 bound {p99_limit_ms:g} ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("answered events/s")
+    ax.set_ylabel("event-to-recommendation latency (ms)")
+    ax.set_title("genrec bench load: open-loop latency vs throughput")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,262 @@
+"""`genrec bench load`: the schedule, the step figures and the verdicts with fakes, then one
+run through the real broker against `genrec serve` subprocesses on a tiny trained store."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from genrec.app.bench.load import (
+    Answers,
+    CpuMeter,
+    EventPicker,
+    LoadConfig,
+    StepResult,
+    assigned_members,
+    covered_ids,
+    doubling_rates,
+    held_rate,
+    is_overloaded,
+    latency_figures,
+    merge_reports,
+    process_cpu_s,
+    run_load_bench,
+    send_offsets,
+    settings_environment,
+    summarize_step,
+    users_by_partition,
+    worker_ratio,
+    write_report,
+)
+from genrec.infra.settings import Settings
+
+# --- the schedule -----------------------------------------------------------------------
+
+
+def test_default_rates_double_from_25_to_3200() -> None:
+    assert doubling_rates() == [25, 50, 100, 200, 400, 800, 1600, 3200]
+    assert LoadConfig().step_rates() == tuple(doubling_rates())
+    assert LoadConfig(rates=(4.0, 8.0)).step_rates() == (4.0, 8.0)
+    with pytest.raises(ValueError):
+        doubling_rates(0, 10)
+
+
+def test_send_offsets_are_evenly_spaced_and_fixed_by_the_rate() -> None:
+    offsets = send_offsets(25.0, 2.0)
+    assert len(offsets) == 50
+    assert offsets[0] == 0.0
+    assert np.allclose(np.diff(offsets), 0.04)
+    assert len(send_offsets(0.1, 1.0)) == 1  # a step always offers something
+    with pytest.raises(ValueError):
+        send_offsets(10.0, 0.0)
+
+
+def test_phase_workers_started_or_already_running() -> None:
+    assert LoadConfig().phase_workers() == (1, 2)
+    assert LoadConfig(start=False).phase_workers() == (1,)
+    assert LoadConfig(start=False, worker_pids=(11, 12)).phase_workers() == (2,)
+
+
+def test_picker_sends_store_users_items_they_have_not_seen() -> None:
+    seen = {"1": {"a", "b"}, "2": {"c"}}
+    picker = EventPicker(seen, ["a", "b", "c", "d", "e"], prefix="load-x", seed=3)
+    events = [picker.event("1w-25") for _ in range(6)]
+    assert {e.user_id for e in events} <= {"1", "2"}
+    for event in events:
+        assert event.item_id not in seen[event.user_id]
+    assert len({e.event_id for e in events}) == 6
+    assert all(e.event_id.startswith("load-x-1w-25-") for e in events)
+    again = EventPicker(seen, ["a", "b", "c", "d", "e"], prefix="load-x", seed=3)
+    assert [(e.user_id, e.item_id) for e in events] == [
+        (e.user_id, e.item_id) for e in (again.event("1w-25") for _ in range(6))
+    ]
+    with pytest.raises(ValueError):
+        EventPicker({}, ["a"], prefix="p")
+
+
+def test_users_by_partition_reaches_every_partition() -> None:
+    users = [str(u) for u in range(1, 200)]
+    chosen = users_by_partition(users, 6)
+    assert sorted(chosen) == list(range(6))
+    assert len(set(chosen.values())) == 6
+
+
+# --- answers and figures ------------------------------------------------------------------
+
+
+def test_covered_ids_prefers_covered_event_ids_then_the_trigger() -> None:
+    assert covered_ids({"covered_event_ids": ["e1", "e2"], "request_id": "e2"}) == ["e1", "e2"]
+    assert covered_ids({"decoding": {"covered_event_ids": ["e3"]}}) == ["e3"]
+    assert covered_ids({"request_id": "e4", "covered_event_ids": []}) == ["e4"]
+    assert covered_ids({"event_id": "e5"}) == ["e5"]
+    assert covered_ids({}) == []
+
+
+def test_latency_figures_percentiles_and_max() -> None:
+    figures = latency_figures(list(range(1, 101)))
+    assert figures["p50_ms"] == pytest.approx(50.5)
+    assert figures["p95_ms"] == pytest.approx(95.05)
+    assert figures["p99_ms"] == pytest.approx(99.01)
+    assert figures["max_ms"] == 100
+    assert latency_figures([]) == {"p50_ms": None, "p95_ms": None, "p99_ms": None, "max_ms": None}
+
+
+def test_summarize_step_counts_coalesced_unanswered_and_twice() -> None:
+    # 10 events due 0.1 s apart: e0..e7 answered 20 ms after they were due, e8 never, e9
+    # after 50 ms and then again (a redelivery); 8 messages were triggered by these events.
+    scheduled = {f"e{i}": 100.0 + 0.1 * i for i in range(10)}
+    first_at = {f"e{i}": 100.0 + 0.1 * i + 0.020 for i in range(8)}
+    first_at["e9"] = 100.9 + 0.050
+    times = {e: 1 for e in first_at} | {"e9": 2}
+    step = summarize_step(
+        1, 10.0, scheduled, Answers(first_at, times, requests=8),
+        p99_limit_ms=100.0, cpu_pct=42.04, send_lags_s=[0.0] * 9 + [0.01],
+    )  # fmt: skip
+    assert (step.events, step.answered, step.unanswered, step.answered_twice) == (10, 9, 1, 1)
+    assert step.p50_ms == pytest.approx(20.0)
+    assert step.max_ms == pytest.approx(50.0)
+    assert step.answered_eps == pytest.approx(9 / 0.95, rel=1e-3)
+    assert step.requests_ps == pytest.approx(8 / 0.95, rel=1e-3)
+    assert step.worker_cpu_pct == 42.0
+    assert step.send_lag_p99_ms == pytest.approx(9.1, abs=0.1)
+    assert step.overloaded  # e8 was never answered
+
+
+def test_overload_detection() -> None:
+    assert not is_overloaded(99.0, 0, 100.0)
+    assert not is_overloaded(100.0, 0, 100.0)
+    assert is_overloaded(100.5, 0, 100.0)
+    assert is_overloaded(10.0, 1, 100.0)
+    assert is_overloaded(None, 0, 100.0)  # nothing answered
+
+
+def fake_step(rate: float, overloaded: bool, workers: int = 1) -> StepResult:
+    return StepResult(
+        workers=workers, offered_eps=rate, events=10, answered=10, answered_eps=rate,
+        requests=10, requests_ps=rate, p50_ms=1.0, p95_ms=2.0, p99_ms=3.0, max_ms=4.0,
+        unanswered=0, answered_twice=0, worker_cpu_pct=None, send_lag_p99_ms=0.0,
+        overloaded=overloaded,
+    )  # fmt: skip
+
+
+def test_held_rate_is_the_highest_step_that_did_not_overload() -> None:
+    assert held_rate([fake_step(25, False), fake_step(50, False), fake_step(100, True)]) == 50
+    assert held_rate([fake_step(25, True)]) is None
+    assert held_rate([]) is None
+
+
+def test_worker_ratio_and_merged_reports() -> None:
+    assert worker_ratio({1: 100.0, 2: 160.0}) == 1.6
+    assert worker_ratio({1: None, 2: 160.0}) is None
+    assert worker_ratio({1: 100.0}) is None
+    one = {"workers": 1, "held_eps": 100.0, "peak_answered_eps": 180.0, "steps": []}
+    two = {"workers": 2, "held_eps": 200.0, "peak_answered_eps": 300.0, "steps": []}
+    old_two = {**two, "held_eps": 1.0}
+    merged = merge_reports({"phases": [old_two]}, {"phases": [one, two]})
+    assert [p["held_eps"] for p in merged["phases"]] == [100.0, 200.0]
+    merged = merge_reports({"phases": [one]}, {"phases": [two]})
+    assert merged["held_ratio_2_over_1"] == 2.0
+    assert merged["peak_ratio_2_over_1"] == pytest.approx(300 / 180, rel=1e-3)
+
+
+class FakeAdmin:
+    """``describe_groups`` as kafka-python 3 answers it, for one group."""
+
+    def __init__(self, state: str, assignments: list[list[int]]) -> None:
+        self.state, self.assignments = state, assignments
+
+    def describe_groups(self, groups: list[str]) -> dict:
+        members = [
+            {"member_assignment": {"assigned_partitions": [{"topic": "t", "partitions": parts}]}}
+            for parts in self.assignments
+        ]
+        return {groups[0]: {"group_state": self.state, "members": members}}
+
+
+def test_ready_workers_are_stable_members_holding_partitions() -> None:
+    assert assigned_members(FakeAdmin("Stable", [[0, 1, 2], [3, 4, 5]]), "g") == 2
+    assert assigned_members(FakeAdmin("Stable", [[0, 1, 2, 3, 4, 5], []]), "g") == 1
+    assert assigned_members(FakeAdmin("PreparingRebalance", [[0, 1, 2], [3, 4, 5]]), "g") == 0
+
+
+def test_cpu_of_this_process_from_proc() -> None:
+    assert process_cpu_s(os.getpid()) > 0
+    meter = CpuMeter([os.getpid()])
+    meter.start()
+    sum(i * i for i in range(300_000))  # burn a little CPU
+    assert meter.percent() > 0
+    assert CpuMeter([]).percent() is None
+
+
+def test_children_get_this_process_store_and_topics(tmp_path: Path, monkeypatch) -> None:
+    settings = Settings(
+        home=tmp_path, data_dir=tmp_path / "data",
+        kafka={"topic_events": "ev.x", "topic_recommendations": "rec.x",
+               "bootstrap": "127.0.0.1:1"},
+    )  # fmt: skip
+    for name, value in settings_environment(settings).items():
+        monkeypatch.setenv(name, value)
+    child = Settings()  # what `genrec serve` builds from its environment
+    assert (child.home, child.data_dir, child.database_url) == (
+        settings.home,
+        settings.data_dir,
+        settings.database_url,
+    )
+    assert child.kafka == settings.kafka
+
+
+# --- through the real broker ----------------------------------------------------------------
+
+
+def genrec_children() -> list[psutil.Process]:
+    """This process's `genrec ...` subprocesses still alive (the test broker's JVM is not one)."""
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "genrec.app.cli" in " ".join(child.cmdline()) and child.status() != "zombie":
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, capsys) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(serving_home, home)  # ingest writes the bench's events into its store
+    settings = Settings(home=home, kafka=kafka_settings)
+    config = LoadConfig(
+        rates=(3.0, 6.0), step_s=2.0, drain_s=60.0, p99_ms=60_000.0, workers=(1, 2),
+        warmup_events=3, progress=False,
+    )  # fmt: skip
+    report = run_load_bench(settings, config)
+    json_path, png_path = tmp_path / "load.json", tmp_path / "load.png"
+    write_report(report, json_path, png_path)
+
+    assert not genrec_children(), "the bench left genrec processes behind"
+    assert [p["workers"] for p in report["phases"]] == [1, 2]
+    for phase in report["phases"]:
+        assert len(phase["worker_pids"]) == phase["workers"]
+        assert [s["offered_eps"] for s in phase["steps"]] == [3.0, 6.0]
+        for step in phase["steps"]:
+            assert step["events"] == round(step["offered_eps"] * 2.0)
+            assert step["answered"] == step["events"] and step["unanswered"] == 0
+            assert step["answered_twice"] == 0
+            assert 0 < step["requests"] <= step["events"]
+            assert step["p50_ms"] <= step["p99_ms"] <= step["max_ms"]
+            assert step["worker_cpu_pct"] is not None and step["worker_cpu_pct"] > 0
+            assert not step["overloaded"]
+        assert phase["held_eps"] == 6.0
+    assert report["held_ratio_2_over_1"] == 1.0
+    assert json.loads(json_path.read_text())["phases"][0]["steps"][0]["events"] == 6
+    assert png_path.stat().st_size > 1000
+    printed = capsys.readouterr().out
+    assert printed.count("load 1w") == 2 and printed.count("load 2w") == 2
