@@ -1,20 +1,31 @@
-"""Shared pytest fixtures. Sections are owned by the step whose tests use them."""
+"""Shared pytest fixtures. Sections are owned by the step whose tests use them.
+
+Plain helpers that tests call live in ``tests/helpers.py``; test modules import
+from there (or from a fakes module such as ``tests/refresh_fakes.py``), never from
+conftest or from each other.
+"""
 
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
-from sqlalchemy import Engine, func, insert, select
+from sqlalchemy import Engine, insert, select
 
+from genrec.app.kafka_broker import KafkaBroker, pick_free_ports
 from genrec.app.postgres import LocalPostgres, PostgresUnavailable
 from genrec.infra.database import make_engine
+from genrec.infra.settings import KafkaSettings, Settings
 from genrec.ingest.movielens import load_ml100k, store_ml100k
+from genrec.offline.recall import fit_store_branches, save_branches
+from genrec.offline.refresh import run_refresh
 from genrec.schemas.tables import events, items
+from genrec.schemas.token_layout import TokenLayout
+from tests.helpers import ML100K_SAMPLE_USERS, SERVING_USERS, SyntheticSemanticIds, fresh_kafka
 
 # --- data -------------------------------------------------------------------
 
@@ -26,6 +37,36 @@ def ml100k_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
     engine = make_engine(f"sqlite:///{path}")
     store_ml100k(engine)
     return engine
+
+
+@pytest.fixture
+def ml100k_sample_store(ml100k_engine: Engine, tmp_path: Path) -> Engine:
+    """A private store with the first ML100K_SAMPLE_USERS users of ML-100K (their last 40 events)."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
+    with ml100k_engine.connect() as source:
+        all_users = {r[0] for r in source.execute(select(events.c.user_id).distinct())}
+        users = sorted(all_users)[:ML100K_SAMPLE_USERS]
+        rows = [dict(r._mapping) for r in source.execute(
+            select(events).where(events.c.user_id.in_(users)).order_by(events.c.id))]  # fmt: skip
+        item_rows = [dict(r._mapping) for r in source.execute(select(items))]
+    kept = []
+    for user in users:
+        kept.extend([r for r in rows if r["user_id"] == user][-40:])
+    with engine.begin() as target:
+        target.execute(insert(items), item_rows)
+        target.execute(insert(events), kept)
+    return engine
+
+
+@pytest.fixture
+def synthetic_semantic_ids(ml100k_sample_store: Engine) -> SyntheticSemanticIds:
+    """Random unique semantic IDs (16 x 16 x 8 codes) for every item of the sample store."""
+    with ml100k_sample_store.connect() as connection:
+        item_ids = sorted(r[0] for r in connection.execute(select(items.c.item_id)))
+    shape = (16, 16, 8)
+    chosen = np.random.default_rng(0).choice(int(np.prod(shape)), size=len(item_ids), replace=False)
+    codes = np.stack(np.unravel_index(chosen, shape), axis=1).astype(np.int64)
+    return SyntheticSemanticIds(7, item_ids, codes, TokenLayout.for_scratch_model(shape))
 
 
 # --- database ---------------------------------------------------------------
@@ -62,75 +103,34 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 # --- kafka ------------------------------------------------------------------
 
 
+def _started_broker(tmp_path_factory: pytest.TempPathFactory, name: str) -> KafkaBroker:
+    """A real local Kafka broker on free ports, its data in a fresh tmp dir, running."""
+    port, controller_port = pick_free_ports(2)
+    data_dir = tmp_path_factory.mktemp(name) / "kafka"  # laid out like DATA_DIR/kafka
+    broker = KafkaBroker(data_dir, bootstrap=f"127.0.0.1:{port}", controller_port=controller_port)
+    broker.up(timeout=180.0)  # 2 shared cores: a loaded machine starts the JVM slowly
+    return broker
+
+
 @pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory: pytest.TempPathFactory):
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
     """A real local Kafka broker on free ports for the whole run (data in a tmp dir).
 
     Tests may call ``kafka_broker.down()`` / ``.up()`` / ``.kill()``: the object keeps
     its ports and data, and ``kafka_settings`` brings it back up for the next test.
     """
-    from genrec.app.kafka_broker import KafkaBroker, pick_free_ports
-
-    port, controller_port = pick_free_ports(2)
-    data_dir = tmp_path_factory.mktemp("kafka-var") / "kafka"  # laid out like DATA_DIR/kafka
-    broker = KafkaBroker(data_dir, bootstrap=f"127.0.0.1:{port}", controller_port=controller_port)
-    broker.up(timeout=180.0)  # 2 shared cores: a loaded machine starts the JVM slowly
+    broker = _started_broker(tmp_path_factory, "kafka-var")
     yield broker
     broker.down()
 
 
-def unique_kafka(kafka_broker):
-    """KafkaSettings for the test broker with topic names of their own, not yet created."""
-    from genrec.infra.settings import KafkaSettings
-
-    kafka_broker.up(timeout=180.0)  # no-op unless an earlier test left it stopped
-    suffix = uuid.uuid4().hex[:10]
-    return KafkaSettings(
-        bootstrap=kafka_broker.bootstrap,
-        client_id=f"genrec-test-{suffix}",
-        topic_events=f"genrec.user-events.{suffix}",
-        topic_recommendations=f"genrec.recommendations.{suffix}",
-        topic_dlq=f"genrec.user-events.{suffix}.dlq",
-    )
-
-
-def fresh_kafka(kafka_broker):
-    """KafkaSettings for the test broker with their own topics, already created."""
-    from genrec.infra.topics import create_topics
-
-    kafka = unique_kafka(kafka_broker)
-    create_topics(kafka)
-    return kafka
-
-
 @pytest.fixture
-def kafka_settings(kafka_broker):
+def kafka_settings(kafka_broker: KafkaBroker) -> KafkaSettings:
     """KafkaSettings for the test broker with this test's own topics, already created."""
     return fresh_kafka(kafka_broker)
 
 
-def wait_for(condition, timeout: float, what: str) -> None:
-    """Poll ``condition`` until it holds; fail with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.2)
-
-
-def count_rows(database_url: str, table=events) -> int:
-    """Rows in ``table`` of the store at ``database_url`` (a fresh engine, disposed after)."""
-    engine = make_engine(database_url)
-    try:
-        with engine.connect() as connection:
-            return connection.execute(select(func.count()).select_from(table)).scalar_one()
-    finally:
-        engine.dispose()
-
-
 # --- online -----------------------------------------------------------------
-
-SERVING_USERS = 100  # ML-100K users (ids 1..100) in the small serving version
 
 
 def build_small_serving_version(home: Path, users: int = SERVING_USERS) -> None:
@@ -140,10 +140,6 @@ def build_small_serving_version(home: Path, users: int = SERVING_USERS) -> None:
     The catalog is stored without titles so the semantic IDs come from interaction
     embeddings: the text encoder would double the build time and serving does not care.
     """
-    from genrec.infra.settings import Settings
-    from genrec.offline.recall import fit_store_branches, save_branches
-    from genrec.offline.refresh import run_refresh
-
     settings = Settings(
         home=home,
         semantic_ids={"epochs": 20, "codes_per_level": 16, "dedup_codes": 16,
@@ -173,33 +169,3 @@ def serving_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("serving-home")
     build_small_serving_version(home)
     return home
-
-
-# --- models -----------------------------------------------------------------
-
-
-def random_items(n: int, codes_per_level=(6, 5, 4), seed: int = 0):
-    """``n`` items with distinct random semantic IDs over a small scratch layout."""
-    import numpy as np
-
-    from genrec.online.prompts import ItemTokens
-    from genrec.schemas.token_layout import TokenLayout
-
-    rng = np.random.default_rng(seed)
-    chosen = rng.choice(int(np.prod(codes_per_level)), size=n, replace=False)
-    codes = np.stack(np.unravel_index(chosen, codes_per_level), axis=1)
-    layout = TokenLayout.for_scratch_model(codes_per_level)
-    return ItemTokens([f"i{k}" for k in range(n)], codes, layout)
-
-
-def split_prompts(case, users=slice(None)):
-    """(prefix prompts, suffixes, full prompts) of a decoding bench case's users: the newest
-    ``suffix_items`` items form the suffix."""
-    depth = case.layout.depth
-    prefixes, suffixes, full = [], [], []
-    for user in case.eval_users[users]:
-        cut = len(user.prompt) - user.suffix_items * depth
-        prefixes.append(user.prompt[:cut])
-        suffixes.append(user.prompt[cut:])
-        full.append(user.prompt)
-    return prefixes, suffixes, full

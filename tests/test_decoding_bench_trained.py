@@ -3,22 +3,25 @@
 from __future__ import annotations
 
 import pytest
-from test_train_tiny import semantic_ids, store, tiny_settings  # noqa: F401 (fixtures)
 
 from genrec.app.bench.decode import load_trained_models, run_decode_bench
 from genrec.infra.settings import DecodeSettings
 from genrec.offline.training.cli import train_models
 from genrec.online.models.store import load_model_version
+from tests.helpers import tiny_settings
 
 
 @pytest.mark.slow
-def test_bench_runs_on_the_active_trained_version(store, semantic_ids, tmp_path):  # noqa: F811
+def test_bench_runs_on_the_active_trained_version(
+    ml100k_sample_store, synthetic_semantic_ids, tmp_path
+):
     settings = tiny_settings(tmp_path)
-    train_models(settings, store, semantic_ids=semantic_ids, progress=False)
+    train_models(settings, ml100k_sample_store, semantic_ids=synthetic_semantic_ids, progress=False)
     with pytest.raises(ValueError, match="not 'small'"):
-        load_trained_models("small", settings=settings, engine=store)
-    models = load_trained_models("tiny", n_users=6, settings=settings, engine=store)
-    version = load_model_version(settings, store)  # the bench speculates as the worker would
+        load_trained_models("small", settings=settings, engine=ml100k_sample_store)
+    models = load_trained_models("tiny", n_users=6, settings=settings, engine=ml100k_sample_store)
+    # the bench speculates as the worker would
+    version = load_model_version(settings, ml100k_sample_store)
     assert models.drafts == (version.drafts_for("strict")[0], "atspeed_r")
     assert all(u.seen and u.held_out not in u.seen for u in models.eval_users)
     report = run_decode_bench(models, ks=[5], batch_sizes=[3], n_users=6, decode=DecodeSettings())

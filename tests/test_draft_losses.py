@@ -6,7 +6,6 @@ import copy
 
 import numpy as np
 import torch
-from conftest import random_items
 
 from genrec.offline.training.draft import (
     align_draft,
@@ -18,6 +17,7 @@ from genrec.offline.training.draft import (
 from genrec.online.models.generative import PrefixTree, decode_batched
 from genrec.online.models.presets import PRESETS, build_draft, build_target
 from genrec.online.prompts import history_prompt
+from tests.helpers import random_items
 
 
 def _log_probs(shape, seed, invalid_last=2):

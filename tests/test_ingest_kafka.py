@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import count_rows, unique_kafka, wait_for
 from kafka import KafkaConsumer, KafkaProducer
 from sqlalchemy import select
 
@@ -28,6 +27,7 @@ from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_events
 from genrec.schemas.events import DeadLetter
 from genrec.schemas.tables import events
+from tests.helpers import count_rows, unique_kafka, wait_for
 
 pytestmark = pytest.mark.integration
 

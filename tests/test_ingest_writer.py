@@ -14,7 +14,6 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-from conftest import count_rows
 from kafka.structs import TopicPartition
 
 from genrec.infra.database import make_engine
@@ -22,6 +21,7 @@ from genrec.infra.settings import Settings
 from genrec.ingest.consumer import Ingestor, uses_writer_process
 from genrec.ingest.writer import WriteFailed, WriterProcess, decode_batch, encode_batch
 from genrec.schemas.tables import users
+from tests.helpers import count_rows
 
 Record = namedtuple("Record", "topic partition offset key value timestamp")
 

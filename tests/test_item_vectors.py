@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import split_prompts
 from transformers import AutoModelForCausalLM
 
 from genrec.app.bench.decode import BenchModels, load_models
@@ -22,6 +21,7 @@ from genrec.online.models.item_vectors import (
     save_pretrained_with_item_vectors,
 )
 from genrec.online.prompts import ItemTokens
+from tests.helpers import split_prompts
 
 
 @pytest.fixture(scope="module")

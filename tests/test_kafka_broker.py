@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import unique_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 
 from genrec.app.kafka_broker import (
@@ -32,6 +31,7 @@ from genrec.infra.topics import (
     topic_specs,
     wait_for_kafka,
 )
+from tests.helpers import unique_kafka
 
 # --- helpers ----------------------------------------------------------------------------
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_items
 
 from genrec.online.models.generative import PrefixTree, decode_batched
 from genrec.online.models.presets import (
@@ -24,6 +23,7 @@ from genrec.online.prompts import (
     training_example,
 )
 from genrec.schemas.token_layout import TokenLayout
+from tests.helpers import random_items
 
 
 def test_prompt_layout_and_prefix_property():

@@ -29,7 +29,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from conftest import SERVING_USERS, fresh_kafka, wait_for
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.structs import TopicPartition
 from sqlalchemy import insert, select
@@ -41,6 +40,7 @@ from genrec.infra.settings import KafkaSettings, Settings
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 from genrec.schemas.tables import events, items
+from tests.helpers import SERVING_USERS, fresh_kafka, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 

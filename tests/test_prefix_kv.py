@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import split_prompts
 from transformers import DynamicCache
 
-from genrec.app.bench.decode import TEST_PRESETS, BenchModels, load_models
+from genrec.app.bench.decode import BenchModels, load_models
 from genrec.online.decoding.beam_search import beam_search
 from genrec.online.decoding.prefix_kv import (
     ModelVersionMismatch,
@@ -19,9 +18,10 @@ from genrec.online.decoding.prefix_kv import (
     save_prefix_kv,
 )
 from genrec.online.decoding.speculative import speculative_beam_search
+from tests.helpers import DECODING_PRESETS, split_prompts
 
 
-@pytest.fixture(scope="module", params=TEST_PRESETS)
+@pytest.fixture(scope="module", params=DECODING_PRESETS)
 def case(request) -> BenchModels:
     torch.set_num_threads(2)
     return load_models(request.param)

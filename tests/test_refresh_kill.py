@@ -17,13 +17,13 @@ import time
 from pathlib import Path
 
 from sqlalchemy import select
-from test_refresh import USERS, FakeSteps, add_events, assert_serves, make_settings, runs
 
 from genrec.infra.database import make_engine
 from genrec.infra.serving_versions import active_serving_version
 from genrec.offline.refresh import run_refresh
 from genrec.online.prefix_kv_store import kv_root, open_kv_store
 from genrec.schemas.tables import serving_versions
+from tests.refresh_fakes import USERS, FakeSteps, add_events, assert_serves, make_settings, runs
 
 LEASE_S = 2.0
 
@@ -64,9 +64,9 @@ def test_killed_refresh_leaves_previous_version_serving(tmp_path: Path) -> None:
     add_events(engine, range(USERS), per_user=2, start_ts=100_000)
 
     marker = tmp_path / "parked"
-    tests_dir = str(Path(__file__).parent)
+    root = str(Path(__file__).parents[1])  # where the ``tests`` package is importable
     code = (
-        f"import sys; sys.path.insert(0, {tests_dir!r}); import test_refresh_kill as t; "
+        f"import sys; sys.path.insert(0, {root!r}); import tests.test_refresh_kill as t; "
         f"t.child_main({str(tmp_path)!r}, {database_url!r}, {str(marker)!r})"
     )
     child = subprocess.Popen(

@@ -31,7 +31,7 @@ from genrec.offline.schedule import (
     scheduled_refresh,
 )
 
-FUNC = "test_schedule:record_run"
+FUNC = f"{__name__}:record_run"  # the scheduler imports the job by module path
 CALLS: list[float] = []
 RAN = threading.Event()
 

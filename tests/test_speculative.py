@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genrec.app.bench.decode import TEST_PRESETS, BenchModels, hf_generate_items, load_models
+from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
 from genrec.online.decoding.beam_search import beam_search
 from genrec.online.decoding.speculative import AcceptanceMonitor, speculative_beam_search
+from tests.helpers import DECODING_PRESETS
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
 
 
-@pytest.fixture(scope="module", params=TEST_PRESETS)
+@pytest.fixture(scope="module", params=DECODING_PRESETS)
 def case(request) -> BenchModels:
     torch.set_num_threads(2)
     return load_models(request.param)

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-import pytest
 import torch
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import select
 
-from genrec.infra.database import make_engine
-from genrec.infra.settings import Settings
 from genrec.offline.splits import load_split
 from genrec.offline.training.cli import train_models
 from genrec.offline.training.target import train_target
@@ -23,65 +18,19 @@ from genrec.online.models.generative import (
 from genrec.online.models.presets import PRESETS, scratch_tokenizer
 from genrec.online.models.store import ModelBundle, load_model_folder, save_model_version
 from genrec.online.prompts import ItemTokens
-from genrec.schemas.tables import events, items, model_versions
-from genrec.schemas.token_layout import TokenLayout
-
-USERS = 60
+from genrec.schemas.tables import model_versions
+from tests.helpers import tiny_settings
 
 
-@dataclass(frozen=True)
-class SyntheticSemanticIds:
-    """The fields of a SemanticIdSet that the models read, with random unique codes."""
-
-    version: int
-    item_ids: list[str]
-    codes: np.ndarray
-    layout: TokenLayout
-
-
-@pytest.fixture
-def store(ml100k_engine: Engine, tmp_path) -> Engine:
-    """A private store with the first USERS users of ML-100K (their last 40 events)."""
-    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
-    with ml100k_engine.connect() as source:
-        users = sorted({r[0] for r in source.execute(select(events.c.user_id).distinct())})[:USERS]
-        rows = [dict(r._mapping) for r in source.execute(
-            select(events).where(events.c.user_id.in_(users)).order_by(events.c.id))]  # fmt: skip
-        item_rows = [dict(r._mapping) for r in source.execute(select(items))]
-    kept = []
-    for user in users:
-        kept.extend([r for r in rows if r["user_id"] == user][-40:])
-    with engine.begin() as target:
-        target.execute(insert(items), item_rows)
-        target.execute(insert(events), kept)
-    return engine
-
-
-@pytest.fixture
-def semantic_ids(store: Engine) -> SyntheticSemanticIds:
-    with store.connect() as connection:
-        item_ids = sorted(r[0] for r in connection.execute(select(items.c.item_id)))
-    shape = (16, 16, 8)
-    chosen = np.random.default_rng(0).choice(int(np.prod(shape)), size=len(item_ids), replace=False)
-    codes = np.stack(np.unravel_index(chosen, shape), axis=1).astype(np.int64)
-    return SyntheticSemanticIds(7, item_ids, codes, TokenLayout.for_scratch_model(shape))
-
-
-def tiny_settings(tmp_path) -> Settings:
-    return Settings(
-        home=tmp_path,
-        model={"preset": "tiny", "history_items": 10, "teacher_prompts": 24,
-               "agreement_users": 16, "torch_threads": 1},
-    )  # fmt: skip
-
-
-def test_tiny_preset_trains_end_to_end(store, semantic_ids, tmp_path):
+def test_tiny_preset_trains_end_to_end(ml100k_sample_store, synthetic_semantic_ids, tmp_path):
     settings = tiny_settings(tmp_path)
-    version, metrics = train_models(settings, store, semantic_ids=semantic_ids, progress=False)
+    version, metrics = train_models(
+        settings, ml100k_sample_store, semantic_ids=synthetic_semantic_ids, progress=False
+    )
     assert version == 1
     assert set(metrics["agreement_valid@10"]) == {"sft", "atspeed_s", "atspeed_r"}
     assert 0.0 <= metrics["target_test_hr@10"] <= 1.0
-    with store.connect() as connection:
+    with ml100k_sample_store.connect() as connection:
         row = connection.execute(select(model_versions)).one()
     assert row.status == "active" and row.semantic_id_version == "7" and row.activated_at
     folder = settings.data_dir / "artifacts" / "models" / "v1"
@@ -96,46 +45,50 @@ def test_tiny_preset_trains_end_to_end(store, semantic_ids, tmp_path):
     ):
         assert (folder / part).exists(), part  # fmt: skip
 
-    models = load_active_models(settings, store)
+    models = load_active_models(settings, ml100k_sample_store)
     assert models.version == 1 and sorted(models.drafts) == ["atspeed_r", "atspeed_s", "sft"]
     # the reloaded version carries its training metrics: the worker ranks its drafts by them
     assert models.metrics["agreement_valid@10"] == metrics["agreement_valid@10"]
     assert sorted(models.drafts_for("strict")) == ["atspeed_r", "atspeed_s", "sft"]
-    cases = list(load_split(store).test.values())
+    cases = list(load_split(ml100k_sample_store).test.values())
     for which in ("target", "sft", "atspeed_s", "atspeed_r"):
         for case, recs in zip(
             cases, recommend_generative(models, cases, 10, which=which), strict=True
         ):
             assert len(recs) == 10
-            assert {item for item, _ in recs} <= set(semantic_ids.item_ids)  # real items only
+            real_items = set(synthetic_semantic_ids.item_ids)
+            assert {item for item, _ in recs} <= real_items  # real items only
             assert not {item for item, _ in recs} & set(case.history)  # seen items excluded
     agreement = draft_agreement(models, cases[:8], k=5)
     assert len(agreement["sft"]["strict_acceptance_per_step"]) == 3
 
     # Re-aligning the drafts keeps the target and activates a new version (CLI-style overrides).
     overrides = {"max_steps": None, "epochs": None, "draft_epochs": 1, "teacher_prompts": 12}
-    version2, _ = train_models(settings, store, train_target_model=False, overrides=overrides,
-                               semantic_ids=semantic_ids, progress=False)  # fmt: skip
-    with store.connect() as connection:
+    version2, _ = train_models(settings, ml100k_sample_store, train_target_model=False,
+                               overrides=overrides, semantic_ids=synthetic_semantic_ids,
+                               progress=False)  # fmt: skip
+    with ml100k_sample_store.connect() as connection:
         statuses = dict(
             connection.execute(select(model_versions.c.version, model_versions.c.status)).all()
         )
     assert statuses == {1: "retired", version2: "active"}
 
 
-def test_saved_artifacts_reload_with_identical_topk(store, semantic_ids, tmp_path):
+def test_saved_artifacts_reload_with_identical_topk(
+    ml100k_sample_store, synthetic_semantic_ids, tmp_path
+):
     torch.manual_seed(0)
     settings = tiny_settings(tmp_path)
-    layout = semantic_ids.layout
-    item_tokens = ItemTokens(semantic_ids.item_ids, semantic_ids.codes, layout)
-    split = load_split(store)
+    layout = synthetic_semantic_ids.layout
+    item_tokens = ItemTokens(synthetic_semantic_ids.item_ids, synthetic_semantic_ids.codes, layout)
+    split = load_split(ml100k_sample_store)
     target = train_target(item_tokens, split, PRESETS["tiny"], 10, progress=False).model
     draft = train_target(item_tokens, split, PRESETS["tiny"], 10, progress=False, seed=1).model
     in_memory = GenerativeModels(target, {"sft": draft}, item_tokens, 10, "tiny")
     cases = list(split.test.values())
     before = recommend_generative(in_memory, cases, 10)
     bundle = ModelBundle(target, {"sft": draft}, scratch_tokenizer(layout), item_tokens, "tiny", 10)
-    version = save_model_version(settings, store, bundle)
+    version = save_model_version(settings, ml100k_sample_store, bundle)
     reloaded = load_model_folder(settings.data_dir / "artifacts" / "models" / f"v{version}")
     after = recommend_generative(reloaded, cases, 10)
     assert [[i for i, _ in row] for row in after] == [[i for i, _ in row] for row in before]

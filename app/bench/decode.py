@@ -11,7 +11,8 @@ K.
 Models come from ``load_models(preset)``: ``random`` builds a random target
 (4 layers x 256) and draft (1 layer x 128) over a synthetic catalog (the CLI
 first distils the random draft towards the target for ``--align-steps``, cached
-under var/bench/); ``tiny`` is the tests' float64 pair. ``small`` and
+under var/bench/); ``tiny`` is a float64 pair small enough to compare modes
+exactly (the decoding tests run on it). ``small`` and
 ``smollm2-135m`` load the ACTIVE trained model version (``genrec offline
 train --preset ...``): its target, the drafts the online worker would pick for strict
 and relaxed (``GenerativeModels.drafts_for``), its trie, and held-out test users of the
@@ -70,11 +71,9 @@ class BenchModels:
     drafts: tuple[str, str] = ("draft", "draft")  # names of the strict and relaxed drafts
 
 
+TRAINED_PRESETS = ("small", "smollm2-135m")
 # name -> (codes per level, items, target (layers, hidden), draft (layers, hidden), dtype,
 #          users, history items (min, max))
-# Presets the decoding tests run on (trained presets need a trained store: not in tests).
-TEST_PRESETS = ("tiny",)
-TRAINED_PRESETS = ("small", "smollm2-135m")
 RANDOM_PRESETS = {
     "tiny": ((24, 8, 8, 4), 300, (2, 64), (1, 32), torch.float64, 8, (1, 8)),
     "random": ((64, 16, 16, 4), 2000, (4, 256), (1, 128), torch.float32, 48, (20, 50)),
@@ -84,8 +83,8 @@ RANDOM_PRESETS = {
 def load_models(preset: str = "random", seed: int = 0) -> BenchModels:
     """(target, draft, layout, trie, eval users) for a preset.
 
-    ``tiny`` and ``random`` are random models over a synthetic catalog (tests and
-    ``--random``); ``small`` and ``smollm2-135m`` the active trained version
+    ``tiny`` and ``random`` are random models over a synthetic catalog (``--preset tiny``
+    and ``--random``); ``small`` and ``smollm2-135m`` the active trained version
     (``load_trained_models``).
     """
     if preset in TRAINED_PRESETS:

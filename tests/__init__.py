@@ -1,0 +1,1 @@
+"""The pytest suite; ``tests.helpers`` holds what several test modules share."""
