@@ -27,6 +27,26 @@ from genrec.schemas.tables import events, items
 from genrec.schemas.token_layout import TokenLayout
 from tests.helpers import ML100K_SAMPLE_USERS, SERVING_USERS, SyntheticSemanticIds, fresh_kafka
 
+# --- markers ----------------------------------------------------------------
+
+# Fixtures that start a server or build a trained version: a test using one gets the
+# marker that ``make test-fast`` deselects even where its module forgot to set it.
+FIXTURE_MARKERS = {
+    "kafka_broker": "integration",
+    "stoppable_kafka_broker": "integration",
+    "postgres_server": "integration",
+    "serving_home": "slow",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test by the server fixtures it uses (``FIXTURE_MARKERS``)."""
+    for item in items:
+        for fixture in FIXTURE_MARKERS.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(FIXTURE_MARKERS[fixture])
+
+
 # --- data -------------------------------------------------------------------
 
 
@@ -89,9 +109,12 @@ def postgres_server() -> Iterator[LocalPostgres | None]:
     server.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.integration)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """A fresh, empty behavior-store database: once on SQLite, once on PostgreSQL."""
+    """A fresh, empty behavior-store database: once on SQLite, once on PostgreSQL.
+
+    The PostgreSQL variant needs the server, so it is an integration test.
+    """
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'genrec.db'}"
     server = request.getfixturevalue("postgres_server")
@@ -114,19 +137,38 @@ def _started_broker(tmp_path_factory: pytest.TempPathFactory, name: str) -> Kafk
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
-    """A real local Kafka broker on free ports for the whole run (data in a tmp dir).
+    """The real local Kafka broker shared by the whole run; it stays up throughout.
 
-    Tests may call ``kafka_broker.down()`` / ``.up()`` / ``.kill()``: the object keeps
-    its ports and data, and ``kafka_settings`` brings it back up for the next test.
+    Tests share it, so none may stop, kill or restart it: one that does takes
+    ``stoppable_kafka_broker`` instead.
     """
     broker = _started_broker(tmp_path_factory, "kafka-var")
     yield broker
     broker.down()
 
 
+@pytest.fixture(scope="module")
+def _module_kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    broker = _started_broker(tmp_path_factory, "kafka-stoppable")
+    yield broker
+    broker.down()
+
+
+@pytest.fixture
+def stoppable_kafka_broker(_module_kafka_broker: KafkaBroker) -> KafkaBroker:
+    """A broker of the test module's own, for tests that stop, kill or restart it.
+
+    One per module rather than per test (a start takes 10-20 s); only the module's
+    stopping tests use it, and it is brought back up before each of them, so none
+    depends on what the previous one left behind.
+    """
+    _module_kafka_broker.up(timeout=180.0)  # no-op unless the previous test left it stopped
+    return _module_kafka_broker
+
+
 @pytest.fixture
 def kafka_settings(kafka_broker: KafkaBroker) -> KafkaSettings:
-    """KafkaSettings for the test broker with this test's own topics, already created."""
+    """KafkaSettings for the shared broker with this test's own topics, already created."""
     return fresh_kafka(kafka_broker)
 
 

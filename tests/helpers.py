@@ -56,7 +56,6 @@ def count_rows(database_url: str, table: Table = events) -> int:
 
 def unique_kafka(broker: KafkaBroker) -> KafkaSettings:
     """KafkaSettings for ``broker`` with topic names of their own, not yet created."""
-    broker.up(timeout=180.0)  # no-op unless an earlier test left it stopped
     suffix = uuid.uuid4().hex[:10]
     return KafkaSettings(
         bootstrap=broker.bootstrap,

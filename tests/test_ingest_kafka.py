@@ -27,7 +27,7 @@ from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_events
 from genrec.schemas.events import DeadLetter
 from genrec.schemas.tables import events
-from tests.helpers import count_rows, unique_kafka, wait_for
+from tests.helpers import count_rows, fresh_kafka, unique_kafka, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -261,13 +261,12 @@ def committed_total(settings: Settings) -> int:
     )
 
 
-def test_broker_restart_mid_stream_loses_nothing(
-    kafka_broker, kafka_settings, tmp_path, monkeypatch
-):
+def test_broker_restart_mid_stream_loses_nothing(stoppable_kafka_broker, tmp_path, monkeypatch):
     import genrec.ingest.consumer as consumer_module
 
     url = f"sqlite:///{tmp_path / 'outage.db'}"
-    settings = make_settings(kafka_settings, url, tmp_path, batch_size=500)
+    kafka = fresh_kafka(stoppable_kafka_broker)
+    settings = make_settings(kafka, url, tmp_path, batch_size=500)
     produce_range(settings, 0, 5000)
     # With (almost) no reconnect back-off every connection attempt in the outage is
     # refused at once, which makes kafka-python 3.0 raise KafkaConnectionError from
@@ -300,9 +299,9 @@ def test_broker_restart_mid_stream_loses_nothing(
         return check
 
     def outage(seconds: float) -> None:
-        kafka_broker.down()
+        stoppable_kafka_broker.down()
         time.sleep(seconds)  # the consumer polls, commits and looks for its coordinator
-        kafka_broker.up(timeout=180)
+        stoppable_kafka_broker.up(timeout=180)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()

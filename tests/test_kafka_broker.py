@@ -31,7 +31,7 @@ from genrec.infra.topics import (
     topic_specs,
     wait_for_kafka,
 )
-from tests.helpers import unique_kafka
+from tests.helpers import fresh_kafka, unique_kafka
 
 # --- helpers ----------------------------------------------------------------------------
 
@@ -211,39 +211,36 @@ def test_a_missing_topic_is_a_clear_error(kafka_broker: KafkaBroker) -> None:
 
 
 @pytest.mark.integration
-def test_restart_keeps_messages_and_topics(
-    kafka_broker: KafkaBroker, kafka_settings: KafkaSettings
-) -> None:
-    sent = produce(kafka_settings, kafka_settings.topic_events, 20, "before-restart")
-    pid_before = kafka_broker.status().pid
-    kafka_broker.down()
-    assert not kafka_broker.status().running
-    assert not kafka_broker.pid_file.exists()
-    assert kafka_broker.up() == kafka_broker.bootstrap
-    assert kafka_broker.status().pid != pid_before
-    wait_for_kafka(kafka_settings, timeout=60)
-    assert read_all(kafka_settings, kafka_settings.topic_events) == sent
-    assert set(topic_specs(kafka_settings)) <= set(cluster_topics(kafka_settings))
+def test_restart_keeps_messages_and_topics(stoppable_kafka_broker: KafkaBroker) -> None:
+    broker, kafka = stoppable_kafka_broker, fresh_kafka(stoppable_kafka_broker)
+    sent = produce(kafka, kafka.topic_events, 20, "before-restart")
+    pid_before = broker.status().pid
+    broker.down()
+    assert not broker.status().running
+    assert not broker.pid_file.exists()
+    assert broker.up() == broker.bootstrap
+    assert broker.status().pid != pid_before
+    wait_for_kafka(kafka, timeout=60)
+    assert read_all(kafka, kafka.topic_events) == sent
+    assert set(topic_specs(kafka)) <= set(cluster_topics(kafka))
 
 
 @pytest.mark.integration
-def test_kill9_reads_stopped_and_up_recovers(
-    kafka_broker: KafkaBroker, kafka_settings: KafkaSettings
-) -> None:
-    sent = produce(kafka_settings, kafka_settings.topic_events, 10, "before-kill")
-    kafka_broker.kill()
-    assert kafka_broker.pid_file.exists()  # left behind, as after a crash
-    assert not kafka_broker.status().running
-    stopped = run_cli(kafka_broker, "kafka", "status")
+def test_kill9_reads_stopped_and_up_recovers(stoppable_kafka_broker: KafkaBroker) -> None:
+    broker, kafka = stoppable_kafka_broker, fresh_kafka(stoppable_kafka_broker)
+    sent = produce(kafka, kafka.topic_events, 10, "before-kill")
+    broker.kill()
+    assert broker.pid_file.exists()  # left behind, as after a crash
+    assert not broker.status().running
+    stopped = run_cli(broker, "kafka", "status")
     assert stopped.returncode == 3 and stopped.stdout.startswith("stopped"), stopped
-    kafka_broker.up()
-    assert kafka_broker.status().running
-    assert read_all(kafka_settings, kafka_settings.topic_events) == sent
+    broker.up()
+    assert broker.status().running
+    assert read_all(kafka, kafka.topic_events) == sent
 
 
 @pytest.mark.integration
 def test_cli_up_status_and_topics_create(kafka_broker: KafkaBroker) -> None:
-    kafka_broker.up()
     up = run_cli(kafka_broker, "kafka", "up")
     assert up.returncode == 0 and up.stdout.strip() == kafka_broker.bootstrap, up
     status = run_cli(kafka_broker, "kafka", "status")

@@ -400,8 +400,8 @@ def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
     answers.close()
 
 
-def test_a_broker_restart_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
-    kafka, group, before, answers = fresh_stream(kafka_broker)
+def test_a_broker_restart_loses_no_request(serving_home, stoppable_kafka_broker, tmp_path) -> None:
+    kafka, group, before, answers = fresh_stream(stoppable_kafka_broker)
     worker = Worker(serving_home, kafka, group, tmp_path / "worker.log")
     after = None
     try:
@@ -412,12 +412,12 @@ def test_a_broker_restart_loses_no_request(serving_home, kafka_broker, tmp_path)
         answers.wait_answered(list(before.sent), 120, worker)
         before.close()
         answers.close()
-        kafka_broker.down()
+        stoppable_kafka_broker.down()
         # The worker polls, heartbeats and looks for its coordinator into a void: it
         # must ride that out (kafka-python 3.0 raises some of it from poll()).
         time.sleep(5)
         assert worker.process.poll() is None, f"worker died in the outage:\n{worker.log()}"
-        kafka_broker.up(timeout=180)
+        stoppable_kafka_broker.up(timeout=180)
         after, answers = Events(kafka), Recommendations(kafka)
         for n in range(30):
             after.send(CACHED_USERS[(n * 3) % len(CACHED_USERS)])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from sqlalchemy import select
 
@@ -22,6 +23,7 @@ from genrec.schemas.tables import model_versions
 from tests.helpers import tiny_settings
 
 
+@pytest.mark.slow
 def test_tiny_preset_trains_end_to_end(ml100k_sample_store, synthetic_semantic_ids, tmp_path):
     settings = tiny_settings(tmp_path)
     version, metrics = train_models(
@@ -74,6 +76,7 @@ def test_tiny_preset_trains_end_to_end(ml100k_sample_store, synthetic_semantic_i
     assert statuses == {1: "retired", version2: "active"}
 
 
+@pytest.mark.slow
 def test_saved_artifacts_reload_with_identical_topk(
     ml100k_sample_store, synthetic_semantic_ids, tmp_path
 ):
