@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LogitsProcessorList
 
 from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
-from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.beam_search import BeamLoop, beam_search
+from genrec.online.decoding.constraints import ItemConstraint, TrieLogitsProcessor
+from genrec.online.decoding.trie import ItemTrie
 from tests.helpers import DECODING_PRESETS
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
@@ -58,8 +61,6 @@ def test_single_child_steps_cost_no_call(case: BenchModels):
 def test_tiny_catalog_pads_missing_beams():
     case = load_models("tiny")
     few = case.trie.item_tokens[:3]
-    from genrec.online.decoding.trie import ItemTrie
-
     trie = ItemTrie(few, case.layout)
     result = beam_search(case.target, [case.eval_users[0].prompt], trie, case.layout, 5)
     assert sorted(result.item_index[0, :3].tolist()) == [0, 1, 2]
@@ -90,12 +91,23 @@ def test_dead_nodes_are_the_subtrees_of_excluded_items_only(case):
             assert (node in dead[d - 1].tolist()) == (set(below) <= excluded)
 
 
+def generate_items(case, prompts: list[list[int]], k: int, processor) -> torch.Tensor:
+    """Tokens [B, k, depth] of ``generate(num_beams=k)`` under ``processor(prompt_width)``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), case.layout.pad_token_id, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+    out = case.target.generate(
+        ids, attention_mask=(ids != case.layout.pad_token_id).long(), num_beams=k,
+        num_return_sequences=k, max_new_tokens=case.layout.depth, do_sample=False,
+        logits_processor=LogitsProcessorList([processor(width)]),
+        pad_token_id=case.layout.pad_token_id, eos_token_id=case.layout.eos_token_id,
+    )  # fmt: skip
+    return out[:, width : width + case.layout.depth].reshape(len(prompts), k, -1)
+
+
 @pytest.mark.parametrize("k", [3, 10])
 def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, k: int):
-    from transformers import LogitsProcessorList
-
-    from genrec.online.decoding.beam_search import TrieLogitsProcessor
-
     prompts = [u.prompt for u in case.eval_users[:4]]
     plain = beam_search(case.target, prompts, case.trie, case.layout, k)
     # exclude some of each user's would-be top items (and one user nothing)
@@ -105,19 +117,10 @@ def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, 
     for row, seen in zip(result.item_index.tolist(), exclude, strict=True):
         assert not set(row) & set(seen)
     assert torch.equal(result.tokens[3], plain.tokens[3])
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), case.layout.pad_token_id, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt)
-    out = case.target.generate(
-        ids, attention_mask=(ids != case.layout.pad_token_id).long(), num_beams=k,
-        num_return_sequences=k, max_new_tokens=case.layout.depth, do_sample=False,
-        logits_processor=LogitsProcessorList(
-            [TrieLogitsProcessor(case.trie, width, exclude=exclude, num_beams=k)]
-        ),
-        pad_token_id=case.layout.pad_token_id, eos_token_id=case.layout.eos_token_id,
+    expected = generate_items(
+        case, prompts, k,
+        lambda width: TrieLogitsProcessor(case.trie, width, exclude=exclude, num_beams=k),
     )  # fmt: skip
-    expected = out[:, width : width + case.layout.depth].reshape(len(prompts), k, -1)
     assert torch.equal(result.tokens, expected)
     # the items both lists hold keep their scores
     for row in range(len(prompts)):
@@ -125,6 +128,41 @@ def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, 
             same = (plain.item_index[row] == item).nonzero()
             if len(same):
                 torch.testing.assert_close(score, plain.scores[row, same[0, 0]])
+
+
+class BannedFirstCode:
+    """An exclusion of another kind: no item whose first code is ``code``."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def applies(self, level: int, user: int) -> bool:
+        return level == 0
+
+    def blocked(self, children: torch.Tensor, level: int, user: int) -> torch.Tensor:
+        blocked = torch.zeros_like(children, dtype=torch.bool)
+        blocked[:, self.code] = True
+        return blocked
+
+
+def test_composed_constraint_is_the_same_in_our_search_and_in_generate(case):
+    k = 5
+    prompts = [u.prompt for u in case.eval_users[:3]]
+    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    banned = int(plain.tokens[0, 0, 0]) - case.layout.level_start(0)
+    exclude = [row[:2].tolist() for row in plain.item_index]
+    seen = ItemConstraint.for_users(case.trie, exclude, len(prompts))
+    constraint = seen.excluding(BannedFirstCode(banned))
+    result = BeamLoop(case.target, prompts, constraint, k).run()
+    assert (result.item_index >= 0).all()
+    assert (result.tokens[:, :, 0] != case.layout.level_start(0) + banned).all()
+    for row, rows_seen in zip(result.item_index.tolist(), exclude, strict=True):
+        assert not set(row) & set(rows_seen)
+    expected = generate_items(
+        case, prompts, k,
+        lambda width: TrieLogitsProcessor.for_constraint(constraint, width, num_beams=k),
+    )  # fmt: skip
+    assert torch.equal(result.tokens, expected)
 
 
 def test_exclude_must_match_the_users(case):

@@ -8,6 +8,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from genrec.infra.settings import OnlineSettings
+from genrec.online.decoding import prefix_kv as prefix_kv_module
 from genrec.online.decoding.prefix_kv import compute_prefix_kv
 from genrec.online.models.generative import GenerativeModels
 from genrec.online.models.presets import build_draft, build_target, get_preset
@@ -99,8 +100,6 @@ def test_cached_prompt_plus_suffix_longer_than_the_window(models) -> None:
 
 def test_draft_prefix_kv_is_computed_once_per_cached_prefix(models, monkeypatch) -> None:
     """The draft prefills a user's cached prompt on the first request only; results unchanged."""
-    from genrec.online.decoding import prefix_kv as prefix_kv_module
-
     histories = [[f"i{n}" for n in range(s, s + 7)] for s in (0, 40)]
     reqs = requests(models, histories, cached=True)
     decoder = ModelDecoder(models, OnlineSettings(mode="strict", draft_beams=16))

@@ -6,8 +6,12 @@ import pytest
 import torch
 
 from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
-from genrec.online.decoding.beam_search import beam_search
-from genrec.online.decoding.speculative import AcceptanceMonitor, speculative_beam_search
+from genrec.online.decoding.beam_search import DecodeStats, beam_search
+from genrec.online.decoding.speculative import (
+    AcceptanceMonitor,
+    speculative_beam_search,
+    strict_acceptance_per_level,
+)
 from tests.helpers import DECODING_PRESETS
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
@@ -86,8 +90,6 @@ def test_relaxed_gives_valid_distinct_items_and_is_seeded(case: BenchModels, k: 
 
 def test_monitor_falls_back_to_target_only_and_probes():
     monitor = AcceptanceMonitor(window=8, threshold=0.5, probe_every=4)
-    from genrec.online.decoding.beam_search import DecodeStats
-
     assert monitor.use_speculative()
     for _ in range(8):
         monitor.record(DecodeStats(drafted_steps=3, accepted_steps=0, speculative=True))
@@ -143,8 +145,6 @@ def test_strict_with_excluded_items_equals_target_only(case: BenchModels, k: int
 
 
 def test_strict_acceptance_per_level(case: BenchModels):
-    from genrec.online.decoding.speculative import strict_acceptance_per_level
-
     prompts = [u.prompt for u in case.eval_users]
     reference = beam_search(case.target, prompts, case.trie, case.layout, 5)
     itself, accepted = strict_acceptance_per_level(

@@ -447,7 +447,7 @@ def hf_generate_items(
     """transformers' ``generate`` with the trie constraint (renormalize: ``"allowed"``, else ``"full"``)."""
     from transformers import LogitsProcessorList
 
-    from genrec.online.decoding.beam_search import TrieLogitsProcessor
+    from genrec.online.decoding.constraints import TrieLogitsProcessor
 
     layout = trie.layout
     width = max(len(p) for p in prompts)

@@ -1,16 +1,23 @@
-"""Constrained beam search over valid item IDs, target model only (online decoding step).
+"""Constrained beam search over valid item IDs: the one beam loop (online decoding step).
 
-This module also holds the machinery that speculative decoding shares:
+``BeamLoop`` runs every batched decode: target-only (``beam_search``), strict and
+relaxed speculative search and the strict-acceptance diagnostic
+(``speculative.py``). A round, for every user still decoding:
 
-- ``ItemScorer``: next-token log-probs for item tokens from hidden states, using
-  only the output-projection rows of the level being decoded.
-- ``TreeCache``: one KV-cache row per USER (not per beam). The row holds the
-  user's prompt once, then generated tokens as tree nodes; every forward passes
-  a 4D mask in which a node sees the prompt and its own ancestors only, at
-  position ``prompt_len + level``. Beams share the prompt's KV instead of
-  copying it K times, and the same call verifies a whole drafted tree.
-- ``Beams``: one user's beams; every token remembers its cache slot (-1 while
-  not yet fed to the model).
+1. Fill the levels where every beam has a single valid child, without a model
+   call (``"allowed"`` scores: its log-prob is exactly 0).
+2. ``RoundPolicy.propose``: drafted levels D_1 .. D_g (none for target-only).
+3. ONE target call over the beams' unfed tokens and, when the policy wants them
+   verified, every drafted node as a tree (``tree_cache.TreeCache``).
+4. The walk: at drafted level j, ``RoundPolicy.accept`` says whether the
+   target's choice takes the drafted nodes and goes on from them; the first
+   level it does not take, or level g+1 (the bonus), ends the round with the
+   target's choice there (its own top-K after the bonus).
+
+Which codes may follow a prefix comes from one ``ItemConstraint``
+(``constraints.py``): the trie, then the items a user must not get.
+``ItemScorer`` turns the target's last hidden states into item-token log-probs,
+using only the output-projection rows of the level being decoded.
 
 Scores (``score_mode``):
 
@@ -42,18 +49,26 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
-from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument, output_cache
+from genrec.online.decoding.constraints import ItemConstraint, mask_blocked
+from genrec.online.decoding.prefix_kv import PrefixBatch
+from genrec.online.decoding.tree_cache import (
+    Beams,
+    FedNodes,
+    Prompts,
+    TreeCache,
+    feed_beams,
+    initial_beams,
+    maybe_compact,
+)
 from genrec.online.decoding.trie import ItemTrie
 from genrec.schemas.token_layout import TokenLayout
 
 ScoreMode = Literal["allowed", "full"]
-Prompts = list[list[int]] | PrefixBatch
 
 
 @dataclass
@@ -82,28 +97,6 @@ class DecodeResult:
     item_index: torch.Tensor  # LongTensor[B, K]
     scores: torch.Tensor  # Tensor[B, K]
     stats: list[DecodeStats] = field(default_factory=list)
-
-
-@dataclass
-class Beams:
-    """One user's beams, all ``t`` tokens long; ``slots`` per model cache, -1 = not fed yet."""
-
-    tokens: torch.Tensor  # LongTensor[W, t]
-    scores: torch.Tensor  # Tensor[W]
-    slots: dict[str, torch.Tensor]  # model name -> LongTensor[W, t]
-
-    @property
-    def level(self) -> int:
-        return self.tokens.shape[1]
-
-    def select(self, parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor) -> Beams:
-        """Children ``tokens`` of beams ``parents``: the new tokens are not fed yet."""
-        unfed = torch.full_like(parents[:, None], -1)
-        return Beams(
-            torch.cat([self.tokens[parents], tokens[:, None]], 1),
-            scores,
-            {name: torch.cat([s[parents], unfed], 1) for name, s in self.slots.items()},
-        )
 
 
 class ItemScorer:
@@ -143,273 +136,20 @@ def _levels(layout: TokenLayout) -> list[range]:
     return [layout.level_range(level) for level in range(layout.depth)]
 
 
-class NodeBuilder:
-    """The new tokens of one user for one forward, and what each may attend to."""
+def child_log_probs(
+    scorer: ItemScorer,
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    constraint: ItemConstraint,
+    user: int,
+) -> torch.Tensor:
+    """Tensor[W, C]: log-probs of the next code after each beam; -inf where invalid or excluded.
 
-    def __init__(self, ctx: torch.Tensor) -> None:
-        self.ctx = ctx  # BoolTensor[L]: cache slots of this user's prompt
-        self.tokens: list[torch.Tensor] = []
-        self.positions: list[torch.Tensor] = []
-        self.groups: list[tuple[str, torch.Tensor, torch.Tensor | None]] = []
-        self.size = 0
-        self.prompt_nodes: torch.Tensor | None = None
-
-    def _add(self, tokens: torch.Tensor, positions: torch.Tensor, kind: str, data) -> torch.Tensor:
-        index = torch.arange(self.size, self.size + len(tokens), device=tokens.device)
-        self.tokens.append(tokens)
-        self.positions.append(positions)
-        self.groups.append((kind, index, data))
-        self.size += len(tokens)
-        return index
-
-    def add_prompt(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Prompt tokens not in the cache yet: a causal chain; they join the prompt after the call."""
-        self.prompt_nodes = self._add(tokens, positions, "prompt", None)
-        return self.prompt_nodes
-
-    def add_roots(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache_rows: torch.Tensor
-    ) -> torch.Tensor:
-        """Nodes whose ancestors are all in the cache (``cache_rows[n, L]``) or in the pending prompt."""
-        return self._add(tokens, positions, "roots", cache_rows)
-
-    def add_children(
-        self, tokens: torch.Tensor, positions: torch.Tensor, parents: torch.Tensor
-    ) -> torch.Tensor:
-        """Nodes whose parent is an earlier node of this builder."""
-        return self._add(tokens, positions, "children", parents)
-
-    def visibility(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(BoolTensor[Q, L] over cache slots, BoolTensor[Q, Q] over the new nodes)."""
-        device = self.ctx.device
-        cache_vis = torch.zeros(self.size, len(self.ctx), dtype=torch.bool, device=device)
-        new_vis = torch.zeros(self.size, self.size, dtype=torch.bool, device=device)
-        for kind, index, data in self.groups:
-            if kind == "prompt":
-                cache_vis[index] = self.ctx
-                new_vis[index[:, None], index[None, :]] = torch.ones(
-                    len(index), len(index), dtype=torch.bool, device=device
-                ).tril()
-                continue
-            if kind == "roots":
-                cache_vis[index] = data
-                if self.prompt_nodes is not None:
-                    new_vis[index[:, None], self.prompt_nodes[None, :]] = True
-            else:
-                cache_vis[index] = cache_vis[data]
-                new_vis[index] = new_vis[data]
-            new_vis[index, index] = True
-        return cache_vis, new_vis
-
-
-class TreeCache:
-    """A model's KV cache for a batch of users: row b = user b's prompt, then generated nodes."""
-
-    def __init__(self, model, prompts: Prompts) -> None:
-        self.model = model
-        self.base = model.get_decoder()
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        # An input embedding that reads the codes before a token (offline.item_vectors) needs
-        # them passed in when a call starts inside a cached prompt.
-        self.embedding = model.get_input_embeddings()
-        self.context_width = int(getattr(self.embedding, "context_width", 0))
-        self.pending_context: list[list[int]] = []
-        if isinstance(prompts, PrefixBatch):
-            self._init_from_prefixes(prompts)
-        else:
-            if not prompts or any(len(p) == 0 for p in prompts):
-                raise ValueError("prompts must be a non-empty list of non-empty token lists")
-            self.pending = [torch.tensor(p, dtype=torch.long, device=self.device) for p in prompts]
-            self.prefix_len = [0] * len(prompts)
-            self.ctx = torch.zeros(len(prompts), 0, dtype=torch.bool, device=self.device)
-            self.cache = DynamicCache(config=model.config)
-        self.prompt_len = [p + len(s) for p, s in zip(self.prefix_len, self.pending, strict=True)]
-
-    def _init_from_prefixes(self, batch: PrefixBatch) -> None:
-        width = max(p.length for p in batch.prefixes)
-        n_layers = len(batch.prefixes[0].keys)
-        expected = self.model.config.get_text_config(decoder=True).num_hidden_layers
-        if any(len(p.keys) != expected for p in batch.prefixes):
-            raise ValueError(f"prefix KV with the wrong number of layers (model has {expected})")
-        self.ctx = torch.zeros(len(batch), width, dtype=torch.bool, device=self.device)
-        layers = []
-        for layer in range(n_layers):
-            keys, values = [], []
-            for prefix in batch.prefixes:
-                pad = width - prefix.length
-                k, v = (
-                    prefix.keys[layer].to(self.device, self.dtype),
-                    prefix.values[layer].to(self.device, self.dtype),
-                )
-                keys.append(F.pad(k, (0, 0, pad, 0)))
-                values.append(F.pad(v, (0, 0, pad, 0)))
-            layers.append((torch.stack(keys), torch.stack(values)))
-        for row, prefix in enumerate(batch.prefixes):
-            self.ctx[row, width - prefix.length :] = True
-        self.cache = (
-            DynamicCache(ddp_cache_data=layers, config=self.model.config)
-            if width
-            else DynamicCache(config=self.model.config)
-        )
-        self.prefix_len = [p.length for p in batch.prefixes]
-        self.pending = [
-            torch.tensor(p.prompt_ids[-1:] + list(s), dtype=torch.long, device=self.device)
-            for p, s in zip(batch.prefixes, batch.suffixes, strict=True)
-        ]
-        if self.context_width:  # the cached tokens just before each pending chain
-            self.pending_context = [
-                p.prompt_ids[:-1][-self.context_width :] for p in batch.prefixes
-            ]
-
-    @property
-    def length(self) -> int:
-        return self.ctx.shape[1]
-
-    def builder(self, user: int) -> tuple[NodeBuilder, torch.Tensor | None]:
-        """A builder for ``user``, with its pending prompt added; returns (builder, prompt tip node)."""
-        builder = NodeBuilder(self.ctx[user])
-        tip = None
-        if len(self.pending[user]):
-            n = len(self.pending[user])
-            positions = torch.arange(
-                self.prefix_len[user], self.prefix_len[user] + n, device=self.device
-            )
-            tip = builder.add_prompt(self.pending[user], positions)[-1]
-        return builder, tip
-
-    @torch.no_grad()
-    def forward(self, builders: dict[int, NodeBuilder]) -> dict[int, torch.Tensor]:
-        """One model call over every user's new nodes; returns hidden states [q_b, H] per user.
-
-        Node i of user b lands in cache slot ``self.length`` (before the call) + i.
-        """
-        builders = {b: nb for b, nb in builders.items() if nb.size}
-        if not builders:
-            return {}
-        n_users, width, old = (
-            self.ctx.shape[0],
-            max(nb.size for nb in builders.values()),
-            self.length,
-        )
-        ids = torch.zeros(n_users, width, dtype=torch.long, device=self.device)
-        positions = torch.zeros(n_users, width, dtype=torch.long, device=self.device)
-        vis = torch.zeros(n_users, width, old + width, dtype=torch.bool, device=self.device)
-        diagonal = torch.arange(width, device=self.device)
-        vis[:, diagonal, old + diagonal] = True  # padding nodes see only themselves
-        new_ctx = torch.zeros(n_users, width, dtype=torch.bool, device=self.device)
-        for b, nb in builders.items():
-            q = nb.size
-            ids[b, :q] = torch.cat(nb.tokens)
-            positions[b, :q] = torch.cat(nb.positions)
-            cache_vis, new_vis = nb.visibility()
-            vis[b, :q, :old] = cache_vis
-            vis[b, :q, old : old + q] = new_vis
-            if nb.prompt_nodes is not None:
-                new_ctx[b, nb.prompt_nodes] = True
-                self.pending[b] = self.pending[b][:0]
-        mask = torch.zeros(vis.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~vis, torch.finfo(self.dtype).min)
-        output = self.base(
-            **self._inputs(ids, builders),
-            position_ids=positions,
-            attention_mask=mask[:, None],
-            use_cache=True,
-            **{cache_argument(type(self.base)): self.cache},
-        )
-        self.cache = output_cache(output)
-        self.ctx = torch.cat([self.ctx, new_ctx], 1)
-        hidden = output.last_hidden_state
-        return {b: hidden[b, : nb.size] for b, nb in builders.items()}
-
-    def _inputs(self, ids: torch.Tensor, builders: dict[int, NodeBuilder]) -> dict:
-        """``input_ids``, or for an embedding that reads the codes before a token its output,
-        given the cached tokens before each pending prompt fed in this call (-1: none)."""
-        if not self.context_width:
-            return {"input_ids": ids}
-        if all(nb.prompt_nodes is None for nb in builders.values()):
-            # Generated codes only: no complete history item here (a leaf's own output is
-            # never used), so the item lookup is skipped; it costs more than the call's tokens.
-            return {"inputs_embeds": self.embedding(ids, find_items=False)}
-        context = torch.full(
-            (len(ids), self.context_width), -1, dtype=torch.long, device=self.device
-        )
-        for b, nb in builders.items():
-            before = self.pending_context[b] if self.pending_context else []
-            if nb.prompt_nodes is not None and before:
-                context[b, self.context_width - len(before) :] = torch.tensor(before)
-        return {"inputs_embeds": self.embedding(ids, context=context)}
-
-    def compact(self, keep: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Drop dead nodes: keep each user's prompt plus the slots in ``keep[b]``.
-
-        Returns per user a LongTensor[old_length] mapping old slot -> new slot (-1 if dropped).
-        """
-        n_users, old = self.ctx.shape
-        kept, remaps = [], {}
-        for b in range(n_users):
-            extra = keep.get(b, torch.zeros(0, dtype=torch.long, device=self.device))
-            slots = torch.cat([self.ctx[b].nonzero()[:, 0], extra[extra >= 0]]).unique()
-            remap = torch.full((old,), -1, dtype=torch.long, device=self.device)
-            remap[slots] = torch.arange(len(slots), device=self.device)
-            kept.append(slots)
-            remaps[b] = remap
-        width = max(len(s) for s in kept)
-        if width >= old:
-            return {b: torch.arange(old, device=self.device) for b in range(n_users)}
-        index = torch.zeros(n_users, width, dtype=torch.long, device=self.device)
-        new_ctx = torch.zeros(n_users, width, dtype=torch.bool, device=self.device)
-        for b, slots in enumerate(kept):
-            index[b, : len(slots)] = slots
-            new_ctx[b, : len(slots)] = self.ctx[b, slots]
-        for layer in self.cache.layers:
-            gather = index[:, None, :, None].expand(
-                -1, layer.keys.shape[1], -1, layer.keys.shape[3]
-            )
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
-        self.ctx = new_ctx
-        return remaps
-
-
-def cache_rows(ctx: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """BoolTensor[W, L]: the prompt plus each row's fed slots (``slots`` LongTensor[W, t], -1 = unfed)."""
-    rows = ctx.expand(slots.shape[0], -1).clone()
-    fed = slots >= 0
-    row_index = torch.arange(slots.shape[0], device=slots.device)[:, None].expand_as(slots)
-    rows[row_index[fed], slots[fed]] = True
-    return rows
-
-
-def add_beam_tips(
-    builder: NodeBuilder, beams: Beams, name: str, prompt_len: int, prompt_tip: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Feed each beam's unfed tokens; returns (tip node per beam [W], node of each new token [W, t] or -1)."""
-    tokens, slots = beams.tokens, beams.slots[name]
-    width, level = tokens.shape
-    node_at = torch.full_like(slots, -1)
-    unfed = (slots < 0).sum(1)
-    if level == 0 or int(unfed.max()) == 0:
-        if prompt_tip is None:
-            raise RuntimeError(
-                "a beam has no token to feed: its next-token distribution is unknown"
-            )
-        return prompt_tip.expand(width), node_at
-    rows = cache_rows(builder.ctx, slots)
-    previous = torch.full((width,), -1, dtype=torch.long, device=tokens.device)
-    for i in range(int(unfed.max())):
-        beam = (unfed > i).nonzero()[:, 0]
-        column = level - unfed[beam] + i
-        token, position = tokens[beam, column], prompt_len + column
-        if i == 0:
-            nodes = builder.add_roots(token, position, rows[beam])
-        else:
-            nodes = builder.add_children(token, position, previous[beam])
-        previous[beam] = nodes
-        node_at[beam, column] = nodes
-    if (unfed == 0).any():
-        raise RuntimeError("beams of one user must all have an unfed token")
-    return previous, node_at
+    Exclusions are masked AFTER normalizing, so every other item keeps the score
+    it has without them.
+    """
+    allowed, blocked = constraint.masks(tokens, user)
+    return mask_blocked(scorer.log_probs(hidden, tokens.shape[1], allowed), blocked)
 
 
 def top_k_children(
@@ -424,17 +164,17 @@ def top_k_children(
 
 
 def fill_single_children(
-    beams: Beams, trie: ItemTrie, stats: DecodeStats, dead: list[torch.Tensor] | None = None
+    beams: Beams, constraint: ItemConstraint, stats: DecodeStats, user: int
 ) -> Beams:
     """Append the only valid child while every beam has one (log-prob 0 under ``"allowed"``).
 
-    A forced token into a ``dead`` node (only excluded items below) scores -inf.
+    A forced token that the constraint's exclusions block scores -inf.
     """
+    trie = constraint.trie
     while beams.level < trie.layout.depth and bool(trie.single_child(beams.tokens).all()):
-        scores = beams.scores
-        if dead is not None and len(dead[beams.level]):
-            blocked = torch.isin(trie.child_nodes(beams.tokens), dead[beams.level]).any(1)
-            scores = scores.masked_fill(blocked, -math.inf)
+        scores, blocked = beams.scores, constraint.blocked(beams.tokens, user)
+        if blocked is not None:
+            scores = scores.masked_fill(blocked.any(1), -math.inf)
         forced = trie.only_child(beams.tokens)
         beams = beams.select(torch.arange(len(forced), device=forced.device), forced, scores)
         stats.forced_steps += 1
@@ -444,89 +184,174 @@ def fill_single_children(
 def retire_finished(
     active: dict[int, Beams],
     finished: dict[int, Beams],
-    trie: ItemTrie,
+    constraint: ItemConstraint,
     stats: Sequence[DecodeStats],
-    excluded: Sequence[list[torch.Tensor] | None],
     score_mode: ScoreMode,
 ) -> None:
     """Fill forced levels without a model call (``"allowed"`` scores), then move every
     user whose beams hold complete IDs from ``active`` to ``finished``."""
     for b in list(active):
         if score_mode == "allowed":
-            active[b] = fill_single_children(active[b], trie, stats[b], excluded[b])
-        if active[b].level == trie.layout.depth:
+            active[b] = fill_single_children(active[b], constraint, stats[b], b)
+        if active[b].level == constraint.trie.layout.depth:
             finished[b] = active.pop(b)
 
 
-def child_log_probs(
-    scorer: ItemScorer,
-    hidden: torch.Tensor,
-    tokens: torch.Tensor,
-    trie: ItemTrie,
-    dead: list[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Tensor[W, C]: log-probs of the next code after each beam; -inf where invalid or dead.
+@dataclass
+class DraftStep:
+    """Drafted level j of one user: D_j as (parent in D_{j-1}, code), its paths, their scores."""
 
-    ``dead`` (``ItemTrie.dead_nodes`` of the excluded items) is masked AFTER
-    normalizing, so every other item keeps the score it has without exclusion.
+    parents: torch.Tensor  # LongTensor[n_j]
+    codes: torch.Tensor  # LongTensor[n_j]
+    beams: Beams  # n_j drafted paths (tokens, draft scores, draft slots)
+    candidates: torch.Tensor  # Tensor[n_{j-1}, C]: draft score of every parent x code
+
+    @property
+    def level(self) -> int:
+        """The level whose codes were drafted."""
+        return self.beams.level - 1
+
+    @property
+    def q(self) -> torch.Tensor:
+        """The draft's sequence-level distribution over parent x code (softmax of ``candidates``)."""
+        return torch.softmax(self.candidates.flatten(), 0).view_as(self.candidates)
+
+
+class Choice(NamedTuple):
+    """The target's beams after one level; ``taken``: the D_j nodes they are, or None."""
+
+    parents: torch.Tensor  # LongTensor[n]: current beam of each chosen child
+    codes: torch.Tensor  # LongTensor[n]: its code at this level
+    scores: torch.Tensor  # Tensor[n]: its target score
+    taken: torch.Tensor | None  # None ends the round at this level
+
+
+class TargetLevel(NamedTuple):
+    """One user's current beams at a level, as the target call scored them."""
+
+    user: int
+    scores: torch.Tensor  # Tensor[W]: the beams' target scores
+    log_probs: torch.Tensor  # Tensor[W, C]: the target's log-probs of their children
+    index: torch.Tensor  # LongTensor[W]: the beams as nodes of the drafted level before
+    k: int  # beam width
+
+    def top_k(self) -> Choice:
+        """The target's own top-K children, ending the round."""
+        return Choice(*top_k_children(self.scores, self.log_probs, self.k), None)
+
+
+class RoundPolicy:
+    """Target-only rounds: nothing is drafted, so every round is one target step.
+
+    The speculative policies (speculative.py) draft levels in ``propose`` and
+    decide in ``accept`` whether the target's choice at a drafted level takes
+    the drafted nodes (the walk then goes on from them) or ends the round.
     """
-    level = tokens.shape[1]
-    log_probs = scorer.log_probs(hidden, level, trie.allowed_mask(tokens))
-    if dead is not None and len(dead[level]):
-        blocked = torch.isin(trie.child_nodes(tokens), dead[level])
-        log_probs = log_probs.masked_fill(blocked, -math.inf)
-    return log_probs
+
+    speculative = False  # DecodeStats count rounds and drafted steps
+    verifies_drafts = True  # the target call feeds the drafted tree (needed to go past D_1)
+    cache_names: tuple[str, ...] = ()  # other models' caches that beams keep slots in
+
+    def propose(
+        self, active: dict[int, Beams], stats: Sequence[DecodeStats]
+    ) -> dict[int, list[DraftStep]]:
+        return {b: [] for b in active}
+
+    def accept(self, target: TargetLevel, step: DraftStep) -> Choice:
+        """The target's beams after drafted level ``step``."""
+        raise NotImplementedError("target-only rounds draft nothing to accept")
+
+    def compact(self, active: dict[int, Beams]) -> None:
+        """Drop the nodes of the policy's own caches that no beam reaches any more."""
 
 
-def feed_beams(cache: TreeCache, active: dict[int, Beams], name: str) -> dict[int, torch.Tensor]:
-    """One call of ``cache``'s model on every user's unfed beam tokens; hidden state at each tip [W, H]."""
-    builders, tips, nodes = {}, {}, {}
-    for b, beams in active.items():
-        builders[b], prompt_tip = cache.builder(b)
-        tips[b], nodes[b] = add_beam_tips(builders[b], beams, name, cache.prompt_len[b], prompt_tip)
-    offset = cache.length
-    hidden = cache.forward(builders)
-    for b, beams in active.items():
-        beams.slots[name] = torch.where(nodes[b] >= 0, offset + nodes[b], beams.slots[name])
-    return {b: hidden[b][tips[b]] for b in active}
+class BeamLoop:
+    """One batched decode with ``target``: rounds (module docstring) until every user is done."""
+
+    def __init__(
+        self,
+        target,
+        prompts: Prompts,
+        constraint: ItemConstraint,
+        k: int,
+        score_mode: ScoreMode = "allowed",
+        policy: RoundPolicy | None = None,
+    ) -> None:
+        self.constraint, self.k = constraint, k
+        self.layout = constraint.trie.layout
+        self.policy = policy or RoundPolicy()
+        self.scorer = ItemScorer(target, self.layout, score_mode)
+        self.cache = TreeCache(target, prompts)
+        self.n_users = len(self.cache.pending)
+        self.stats = [DecodeStats(speculative=self.policy.speculative) for _ in range(self.n_users)]
+
+    def run(self) -> DecodeResult:
+        names = ("target", *self.policy.cache_names)
+        device, dtype = self.cache.device, self.scorer.dtype
+        active = {b: initial_beams(device, dtype, names) for b in range(self.n_users)}
+        finished: dict[int, Beams] = {}
+        while active:
+            retire_finished(active, finished, self.constraint, self.stats, self.scorer.score_mode)
+            if not active:
+                break
+            drafts = self.policy.propose(active, self.stats)
+            active = self._verify(active, drafts)
+            maybe_compact(self.cache, active, "target")
+            self.policy.compact(active)
+        beams = [finished[b] for b in range(self.n_users)]
+        return assemble(beams, self.constraint.trie, self.k, self.stats)
+
+    def _verify(
+        self, roots: dict[int, Beams], drafts: dict[int, list[DraftStep]]
+    ) -> dict[int, Beams]:
+        """One target call over every user's beams (and drafted trees), then each user's walk."""
+        trees = None
+        if self.policy.verifies_drafts:
+            trees = {b: [(s.parents, s.beams.tokens) for s in steps] for b, steps in drafts.items()}
+        fed = feed_beams(self.cache, roots, "target", trees)
+        out = {}
+        for b, beams in roots.items():
+            stats = self.stats[b]
+            stats.target_calls += 1
+            if stats.speculative:
+                stats.rounds += 1
+                stats.drafted_steps += len(drafts[b])
+            out[b] = self._walk(b, beams, fed[b], drafts[b])
+        return out
+
+    def _walk(self, user: int, roots: Beams, fed: FedNodes, steps: list[DraftStep]) -> Beams:
+        """From the root beams through the drafted levels the policy takes; see the module docstring."""
+        paths = verified_paths(roots.slots["target"], steps, fed)
+        nodes = [fed.tips, *fed.tree]  # call node of each root beam, then of each D_j node
+        beams, index = roots, torch.arange(len(roots.scores), device=roots.scores.device)
+        for j, step in enumerate([*steps, None]):
+            hidden = fed.hidden[nodes[j][index]]
+            log_probs = child_log_probs(self.scorer, hidden, beams.tokens, self.constraint, user)
+            target = TargetLevel(user, beams.scores, log_probs, index, self.k)
+            choice = target.top_k() if step is None else self.policy.accept(target, step)
+            if choice.taken is None:
+                tokens = choice.codes + self.layout.level_start(beams.level)
+                return beams.select(choice.parents, tokens, choice.scores)
+            if j >= len(paths):
+                raise RuntimeError("the policy took drafted nodes the target call did not verify")
+            self.stats[user].accepted_steps += 1
+            index = choice.taken
+            slots = {name: s[index] for name, s in step.beams.slots.items()}
+            beams = Beams(
+                step.beams.tokens[index], choice.scores, {"target": paths[j][index], **slots}
+            )
+        raise AssertionError("the walk always ends at the bonus level")
 
 
-def excluded_nodes(
-    trie: ItemTrie, exclude: Sequence[Sequence[int]] | None, n_users: int
-) -> list[list[torch.Tensor] | None]:
-    """Per user, ``trie.dead_nodes`` of the catalog rows it must not get (None: nothing excluded)."""
-    if exclude is None:
-        return [None] * n_users
-    if len(exclude) != n_users:
-        raise ValueError(f"exclude has {len(exclude)} entries for {n_users} users")
-    return [trie.dead_nodes(torch.as_tensor(list(rows))) if len(rows) else None for rows in exclude]
-
-
-def initial_beams(device: torch.device, dtype: torch.dtype, names: tuple[str, ...]) -> Beams:
-    empty = torch.zeros(1, 0, dtype=torch.long, device=device)
-    return Beams(
-        empty, torch.zeros(1, dtype=dtype, device=device), {n: empty.clone() for n in names}
-    )
-
-
-def remap_slots(beams: Beams, name: str, remap: torch.Tensor) -> None:
-    slots = beams.slots[name]
-    beams.slots[name] = torch.where(slots >= 0, remap[slots.clamp(min=0)], slots)
-
-
-def maybe_compact(cache: TreeCache, all_beams: dict[int, Beams], name: str) -> None:
-    """Compact once dead nodes are a third of the cache (cheap relative to attention over them)."""
-    keep = {b: beams.slots[name].flatten().unique() for b, beams in all_beams.items()}
-    prompt = cache.ctx.sum(1)
-    live = max(
-        int(prompt[b]) + int((keep[b] >= 0).sum()) if b in keep else int(prompt[b])
-        for b in range(len(prompt))
-    )
-    if live * 3 > cache.length * 2:
-        return
-    remaps = cache.compact(keep)
-    for b, beams in all_beams.items():
-        remap_slots(beams, name, remaps[b])
+def verified_paths(
+    root_slots: torch.Tensor, steps: Sequence[DraftStep], fed: FedNodes
+) -> list[torch.Tensor]:
+    """Per verified level j, LongTensor[n_j, t + j]: the target-cache slots of each D_j path."""
+    paths, path = [], root_slots
+    for step, nodes in zip(steps[: len(fed.tree)], fed.tree, strict=True):
+        path = torch.cat([path[step.parents], fed.offset + nodes[:, None]], 1)
+        paths.append(path)
+    return paths
 
 
 def assemble(
@@ -581,69 +406,5 @@ def beam_search(
     K items; the others keep their scores.
     """
     trie = check_inputs(model, prompts, layout, trie, k)
-    scorer = ItemScorer(model, layout, score_mode)
-    cache = TreeCache(model, prompts)
-    n_users = len(cache.pending)
-    excluded = excluded_nodes(trie, exclude, n_users)
-    active = {b: initial_beams(cache.device, scorer.dtype, ("target",)) for b in range(n_users)}
-    finished: dict[int, Beams] = {}
-    stats = [DecodeStats() for _ in range(n_users)]
-    while active:
-        retire_finished(active, finished, trie, stats, excluded, score_mode)
-        if not active:
-            break
-        hidden = feed_beams(cache, active, "target")
-        for b, beams in active.items():
-            stats[b].target_calls += 1
-            log_probs = child_log_probs(scorer, hidden[b], beams.tokens, trie, excluded[b])
-            parents, codes, best = top_k_children(beams.scores, log_probs, k)
-            active[b] = beams.select(parents, codes + layout.level_start(beams.level), best)
-        maybe_compact(cache, active, "target")
-    return assemble([finished[b] for b in range(n_users)], trie, k, stats)
-
-
-class TrieLogitsProcessor:
-    """The same constraint for transformers' ``generate`` (a ``LogitsProcessor``).
-
-    ``prompt_width`` is the (left-padded) prompt length; ``renormalize=True``
-    gives ``score_mode="allowed"``, False gives ``"full"``. ``exclude[b]``:
-    catalog rows prompt ``b`` must not get (its dead subtrees are masked after
-    normalizing, as ``beam_search`` does); rows are grouped ``num_beams`` per
-    prompt. Used to check our decoder against ``generate`` and for offline runs
-    that call ``generate``.
-    """
-
-    def __init__(
-        self,
-        trie: ItemTrie,
-        prompt_width: int,
-        renormalize: bool = True,
-        exclude: Sequence[Sequence[int]] | None = None,
-        num_beams: int = 1,
-    ) -> None:
-        self.trie, self.prompt_width, self.renormalize = trie, prompt_width, renormalize
-        self.dead = excluded_nodes(trie, exclude, len(exclude)) if exclude is not None else None
-        self.num_beams = num_beams
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        generated = input_ids[:, self.prompt_width :]
-        level = generated.shape[1]
-        allowed = torch.zeros_like(scores, dtype=torch.bool)
-        if level < self.trie.layout.depth:
-            rows = self.trie.layout.level_range(level)
-            allowed[:, rows.start : rows.stop] = self.trie.allowed_mask(generated)
-        else:
-            allowed[:, self.trie.layout.eos_token_id] = True
-        masked = scores.masked_fill(~allowed, -math.inf)
-        out = torch.log_softmax(masked, -1) if self.renormalize else masked
-        if self.dead is not None and level < self.trie.layout.depth:
-            children = self.trie.child_nodes(generated)
-            for b, dead in enumerate(self.dead):
-                if dead is None or not len(dead[level]):
-                    continue
-                beams = slice(b * self.num_beams, (b + 1) * self.num_beams)
-                blocked = torch.isin(children[beams], dead[level])
-                out[beams, rows.start : rows.stop] = out[beams, rows.start : rows.stop].masked_fill(
-                    blocked, -math.inf
-                )
-        return out
+    constraint = ItemConstraint.for_users(trie, exclude, len(prompts))
+    return BeamLoop(model, prompts, constraint, k, score_mode).run()
