@@ -342,7 +342,7 @@ def protocol_description(
 def _active_models(settings, engine, notes: list[str]):
     """The active generative models, or None with a note saying why they are skipped."""
     try:
-        from genrec.online.models.generative import load_active_models
+        from genrec.online.models.store import load_active_models
     except ImportError as exc:
         notes.append(f"generative rankers skipped: {exc}")
         return None

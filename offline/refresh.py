@@ -105,7 +105,7 @@ def load_models(settings, engine: Engine):
     # torch and transformers load only when a run gets this far (slow imports)
     import torch
 
-    from genrec.online.models.generative import load_active_models
+    from genrec.online.models.store import load_active_models
 
     torch.set_num_threads(settings.refresh.torch_threads)
     models = load_active_models(settings, engine)

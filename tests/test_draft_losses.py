@@ -14,7 +14,8 @@ from genrec.offline.training.draft import (
     beam_logits,
     make_teacher_data,
 )
-from genrec.online.models.generative import PrefixTree, decode_batched
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.generative import decode_batched
 from genrec.online.models.presets import PRESETS, build_draft, build_target
 from genrec.online.prompts import history_prompt
 from tests.helpers import random_items
@@ -72,7 +73,7 @@ def test_beam_logits_match_plain_forward():
 def test_aligned_draft_agrees_more_with_target_than_before():
     torch.manual_seed(0)
     items = random_items(60, (8, 8, 4))
-    tree = PrefixTree(items)
+    tree = ItemTrie.from_item_tokens(items)
     preset = PRESETS["tiny"].with_overrides(draft_epochs=15, draft_lr=1e-2)
     target = build_target(preset, items.layout).eval()
     draft = build_draft(preset, items.layout).eval()

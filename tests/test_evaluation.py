@@ -128,8 +128,9 @@ class FakeModels:
 
 
 def test_generative_rankers_plug_in(ml100k_engine, tmp_path, monkeypatch):
-    """A stand-in generative module: an oracle target and a draft that is always wrong."""
+    """Stand-in generative and store modules: an oracle target and a draft that is always wrong."""
     fake = types.ModuleType("genrec.online.models.generative")
+    store = types.ModuleType("genrec.online.models.store")
     calls = []
 
     def recommend_generative(models, cases, k, which="target", **kwargs):
@@ -138,13 +139,14 @@ def test_generative_rankers_plug_in(ml100k_engine, tmp_path, monkeypatch):
             return [[(case.target, 0.0)] for case in cases]
         return [[("no-such-item", 0.0)] for _ in cases]
 
-    fake.load_active_models = lambda settings, engine: FakeModels()
+    store.load_active_models = lambda settings, engine: FakeModels()
     fake.recommend_generative = recommend_generative
     fake.draft_agreement = lambda models, cases, k, **kw: {
         v: {"topk_overlap": 0.5, "strict_acceptance_per_step": [1.0, 0.5, 0.25]}
         for v in models.drafts
     }
     monkeypatch.setitem(sys.modules, "genrec.online.models.generative", fake)
+    monkeypatch.setitem(sys.modules, "genrec.online.models.store", store)
     report = run_protocol(Settings(home=tmp_path), ml100k_engine, max_users=50, progress=False)
     results = report["results"]
     assert list(results) == ["popularity", "itemcf", "ann", "generative", "merged"]

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from genrec.online.models.generative import PrefixTree, decode_batched
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.generative import decode_batched
 from genrec.online.models.presets import (
     PRESETS,
     build_draft,
@@ -110,7 +111,7 @@ def test_full_width_beam_search_is_exact_and_valid():
     torch.manual_seed(0)
     items = random_items(40)
     model = build_target(PRESETS["tiny"], items.layout).eval()
-    tree = PrefixTree(items)
+    tree = ItemTrie.from_item_tokens(items)
     rng = np.random.default_rng(1)
     prompts = [
         history_prompt([f"i{k}" for k in rng.integers(0, 40, n)], items, 50) for n in (1, 4, 2)
@@ -130,7 +131,7 @@ def test_beam_search_only_returns_valid_unexcluded_items():
     items = random_items(30)
     model = build_target(PRESETS["tiny"], items.layout).eval()
     draft = build_draft(PRESETS["tiny"], items.layout).eval()
-    tree = PrefixTree(items)
+    tree = ItemTrie.from_item_tokens(items)
     prompts = [history_prompt(["i1", "i2"], items, 50), history_prompt(["i3"], items, 50)]
     exclude = [[0, 1, 2], []]
     result = decode_batched(model, tree, prompts, 5, exclude, shadow=draft, shadow_width=5)

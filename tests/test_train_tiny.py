@@ -13,11 +13,15 @@ from genrec.offline.training.target import train_target
 from genrec.online.models.generative import (
     GenerativeModels,
     draft_agreement,
-    load_active_models,
     recommend_generative,
 )
 from genrec.online.models.presets import PRESETS, scratch_tokenizer
-from genrec.online.models.store import ModelBundle, load_model_folder, save_model_version
+from genrec.online.models.store import (
+    ModelBundle,
+    load_active_models,
+    load_model_folder,
+    save_model_version,
+)
 from genrec.online.prompts import ItemTokens
 from genrec.schemas.tables import model_versions
 from tests.helpers import tiny_settings

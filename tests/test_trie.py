@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 from genrec.app.bench.decode import random_catalog
 from genrec.online.decoding.trie import ItemTrie
+from genrec.online.prompts import ItemTokens
 from genrec.schemas.token_layout import TokenLayout
 
 
@@ -87,3 +89,12 @@ def test_child_nodes_follow_the_trie_down_to_item_rows(catalog):
             node = int(trie.children[d][node, token - layout.level_start(d)])
         assert node == row
     assert trie.child_nodes(torch.tensor([[0]])).eq(-1).all()  # an invalid prefix
+
+
+def test_from_item_tokens_keeps_the_catalog_order():
+    layout = TokenLayout.for_scratch_model((4, 4, 2))
+    codes = np.array([[3, 1, 1], [0, 1, 0], [0, 2, 0]])
+    trie = ItemTrie.from_item_tokens(ItemTokens(["c", "a", "b"], codes, layout))
+    assert trie.layout == layout and trie.n_items == 3
+    assert torch.equal(trie.item_tokens, torch.tensor(layout.encode(codes)))
+    assert trie.item_index(torch.tensor(layout.encode(codes))).tolist() == [0, 1, 2]

@@ -149,7 +149,8 @@ def _train_all(settings, engine, preset, split, item_tokens, base_model, train_t
         train_sft_draft,
     )  # fmt: skip
     from genrec.offline.training.target import evaluate_cases, plot_curves, train_target
-    from genrec.online.models.generative import GenerativeModels, PrefixTree, draft_agreement
+    from genrec.online.decoding.trie import ItemTrie
+    from genrec.online.models.generative import GenerativeModels, draft_agreement
     from genrec.online.models.presets import count_parameters, pick_device
 
     config = settings.model
@@ -167,7 +168,7 @@ def _train_all(settings, engine, preset, split, item_tokens, base_model, train_t
     else:
         target = _active_target(settings, engine, item_tokens)
     device = pick_device()
-    tree = PrefixTree(item_tokens, device)
+    tree = ItemTrie.from_item_tokens(item_tokens, device)
     test_cases = [c for c in split.test.values() if c.target in item_tokens][: preset.eval_users]
     test = evaluate_cases(
         target, item_tokens, tree, test_cases, history, beam_width=config.beam_width

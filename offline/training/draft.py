@@ -44,7 +44,8 @@ from tqdm.auto import tqdm
 
 from genrec.offline.splits import Split
 from genrec.offline.training.target import TrainResult, make_optimizer, train_target
-from genrec.online.models.generative import PrefixTree, _left_pad, decode_batched
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.generative import _left_pad, decode_batched
 from genrec.online.models.presets import ModelPreset, build_draft, item_logits, pick_device
 from genrec.online.prompts import ItemTokens, history_prompt
 
@@ -88,7 +89,7 @@ def sample_training_prompts(
     return prompts, truths
 
 
-def level_log_probs(logits: torch.Tensor, prefixes: torch.Tensor, tree: PrefixTree) -> torch.Tensor:
+def level_log_probs(logits: torch.Tensor, prefixes: torch.Tensor, tree: ItemTrie) -> torch.Tensor:
     """Log-probs per level along given items, renormalized over valid children.
 
     ``logits``: [..., depth, V_item] item logits at the position before each
@@ -138,7 +139,7 @@ def beam_logits(model, layout, prompts: Sequence[Sequence[int]], suffixes: torch
 def make_teacher_data(
     target,
     item_tokens: ItemTokens,
-    tree: PrefixTree,
+    tree: ItemTrie,
     prompts: list[list[int]],
     truths: Sequence[str],
     k: int,
@@ -237,7 +238,7 @@ def align_draft(
     sft_draft,
     teacher: TeacherData,
     variant: str,
-    tree: PrefixTree,
+    tree: ItemTrie,
     preset: ModelPreset,
     align_weight: float = 0.9,
     k: int | None = None,

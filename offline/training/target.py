@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from genrec.offline.splits import Case, Split
-from genrec.online.models.generative import PrefixTree, decode_batched
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.generative import decode_batched
 from genrec.online.models.item_vectors import (
     attach_item_vectors,
     fit_item_vectors,
@@ -203,7 +204,7 @@ def add_embedding_dropout(model, p: float):
 def evaluate_cases(
     model,
     item_tokens: ItemTokens,
-    tree: PrefixTree,
+    tree: ItemTrie,
     cases: Sequence[Case],
     history_items: int,
     k: int = 10,
@@ -338,7 +339,7 @@ def train_target(
     model = (model or build_target(preset, item_tokens.layout)).to(device)
     sequences = training_sequences(split, item_tokens, preset.fit_on_valid)
     ties = tie_groups(split, item_tokens, preset.fit_on_valid) if preset.shuffle_ties else None
-    tree = PrefixTree(item_tokens, device)
+    tree = ItemTrie.from_item_tokens(item_tokens, device)
     if preset.item_vector_dim > 0 and item_vector_embedding(model) is None:
         vectors = fit_item_vectors(sequences, item_tokens, preset.item_vector_dim)
         attach_item_vectors(model, tree, vectors)

@@ -30,9 +30,14 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from genrec.schemas.token_layout import TokenLayout
+
+if TYPE_CHECKING:
+    from genrec.online.prompts import ItemTokens
 
 
 class ItemTrie:
@@ -57,6 +62,14 @@ class ItemTrie:
         self.n_items = item_tokens.shape[0]
         self.item_tokens = item_tokens.to(self.device)
         self._build(codes)
+
+    @classmethod
+    def from_item_tokens(
+        cls, item_tokens: ItemTokens, device: torch.device | str = "cpu"
+    ) -> ItemTrie:
+        """The trie of an ``ItemTokens`` catalog on ``device``: item rows in ``item_tokens`` order."""
+        table = torch.as_tensor(item_tokens.table, dtype=torch.long, device=device)
+        return cls(table, item_tokens.layout)
 
     def _build(self, codes: torch.Tensor) -> None:
         # keys_by_level[d]: sorted unique keys of the length-d prefixes (d = 0 .. depth)

@@ -2,9 +2,9 @@
 
 Owned by the offline models step; used by ``genrec eval``, for teacher data and
 for draft agreement. Decoding is the online engine's (``genrec.online``): the
-trie of valid semantic IDs (``ItemTrie``; ``PrefixTree`` builds one from
-``ItemTokens``) and its batched ``beam_search``, so offline metrics and serving
-rank items identically. Scores are sums of log-probabilities renormalized over
+trie of valid semantic IDs (``ItemTrie``, ``ItemTrie.from_item_tokens`` for an
+``ItemTokens`` catalog) and its batched ``beam_search``, so offline metrics and
+serving rank items identically. Scores are sums of log-probabilities renormalized over
 the valid children at each level (``score_mode="allowed"``), i.e. the model's
 distribution over items; seen items are masked at the last level.
 
@@ -15,6 +15,7 @@ Example::
     >>> from genrec.offline.splits import load_split
     >>> settings = get_settings()
     >>> engine = make_engine(settings.database_url)
+    >>> from genrec.online.models.store import load_active_models
     >>> models = load_active_models(settings, engine)  # doctest: +SKIP
     >>> cases = list(load_split(engine).test.values())[:4]
     >>> recommend_generative(models, cases, k=10)  # doctest: +SKIP
@@ -38,19 +39,6 @@ from genrec.schemas.token_layout import TokenLayout
 
 VARIANTS = ("target", "sft", "atspeed_s", "atspeed_r")
 DRAFT_VARIANTS = ("sft", "atspeed_s", "atspeed_r")
-
-
-class PrefixTree(ItemTrie):
-    """The ``ItemTrie`` of an ``ItemTokens`` catalog (rows = ``item_tokens`` order).
-
-    ``children[level][node, code]`` is the node reached from prefix ``node`` by
-    ``code`` (-1 if no item has that prefix); at the last level it is the item's
-    index in ``item_tokens``. Level 0 has the single root node 0.
-    """
-
-    def __init__(self, item_tokens: ItemTokens, device: torch.device | str = "cpu") -> None:
-        table = torch.as_tensor(np.asarray(item_tokens.table), dtype=torch.long, device=device)
-        super().__init__(table, item_tokens.layout)
 
 
 @dataclass
@@ -145,10 +133,10 @@ class GenerativeModels:
     beam_width: int = 20
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     metrics: dict[str, Any] = field(default_factory=dict)  # the version's training metrics
-    tree: PrefixTree = field(init=False)
+    tree: ItemTrie = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tree = PrefixTree(self.item_tokens, self.device)
+        self.tree = ItemTrie.from_item_tokens(self.item_tokens, self.device)
 
     @property
     def layout(self) -> TokenLayout:
@@ -184,13 +172,6 @@ class GenerativeModels:
             }
             order = [*sorted(measured, key=lambda n: -measured[n]), "atspeed_s", "sft"]
         return [n for n in dict.fromkeys([*order, *sorted(self.drafts)]) if n in self.drafts]
-
-
-def load_active_models(settings, engine) -> GenerativeModels:
-    """The active model version (target + drafts) ready for decoding."""
-    from genrec.online.models.store import load_model_version
-
-    return load_model_version(settings, engine)
 
 
 def recommend_generative(

@@ -22,14 +22,15 @@ checkpoint.
 Example::
 
     >>> import numpy as np, torch
-    >>> from genrec.online.models.generative import PrefixTree
+    >>> from genrec.online.decoding.trie import ItemTrie
     >>> from genrec.online.models.presets import PRESETS, build_target
     >>> from genrec.online.prompts import ItemTokens
     >>> from genrec.schemas.token_layout import TokenLayout
     >>> layout = TokenLayout.for_scratch_model((4, 4, 2))
     >>> items = ItemTokens(["a", "b"], np.array([[0, 1, 0], [3, 1, 1]]), layout)
     >>> target = build_target(PRESETS["tiny"], layout)
-    >>> embedding = attach_item_vectors(target, PrefixTree(items), torch.ones(2, 8))
+    >>> trie = ItemTrie.from_item_tokens(items)
+    >>> embedding = attach_item_vectors(target, trie, torch.ones(2, 8))
     >>> embedding.item_rows(torch.tensor([items.tokens_of("b")])).tolist()
     [[-1, -1, 1]]
 """
@@ -121,6 +122,7 @@ def fit_item_vectors(
     Items that never occur get a zero vector. Fit on the sequences the target is
     trained on, never on held-out items.
     """
+    # lazy: genrec.online.branches pulls in scipy.sparse (~0.9 s), which only fitting needs
     from genrec.online.branches import cooccurrence_embeddings, normalize_rows
 
     by_row = dict(enumerate(sequences))

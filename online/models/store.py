@@ -19,6 +19,7 @@ Example::
 
     >>> version = save_model_version(settings, engine, bundle)  # doctest: +SKIP
     >>> models = load_model_version(settings, engine)           # doctest: +SKIP
+    >>> models = load_active_models(settings, engine)           # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, insert, select, update
+from transformers import AutoModelForCausalLM
 
 from genrec.online.models.generative import GenerativeModels
 from genrec.online.models.item_vectors import load_item_vectors, save_pretrained_with_item_vectors
@@ -196,12 +198,15 @@ def load_model_version(
     return models
 
 
+def load_active_models(settings, engine: Engine) -> GenerativeModels:
+    """The active model version (target + drafts) ready for decoding."""
+    return load_model_version(settings, engine)
+
+
 def load_model_folder(
     folder: Path, device: torch.device | str | None = None, version: int | None = None
 ) -> GenerativeModels:
     """Load a version's artifact folder (no database needed)."""
-    from transformers import AutoModelForCausalLM
-
     manifest = json.loads((folder / "manifest.json").read_text())
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{folder}: not a genrec model folder ({manifest.get('format')!r})")
