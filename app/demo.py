@@ -24,11 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +32,16 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from genrec.app.demo_online import serve_and_measure
+from genrec.app.kafka_broker import KafkaBroker
+from genrec.app.services import skip_group_to_end
+from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
+from genrec.infra.topics import create_topics, wait_for_kafka
+from genrec.ingest.consumer import Ingestor
+from genrec.ingest.replay import replay_ml100k
+from genrec.offline.refresh import run_refresh
+from genrec.schemas.tables import events, items, users
 
 log = logging.getLogger("genrec.demo")
 
@@ -67,9 +72,6 @@ def demo_settings(settings: Settings) -> Settings:
 
 def start_kafka(settings: Settings) -> str:
     """Local broker up (idempotent) and topics created; returns the bootstrap address."""
-    from genrec.app.kafka_broker import KafkaBroker
-    from genrec.infra.topics import create_topics, wait_for_kafka
-
     broker = KafkaBroker.from_settings(settings)
     bootstrap = broker.up(timeout=settings.kafka_broker.start_timeout_s)
     wait_for_kafka(settings.kafka, timeout=60)
@@ -77,27 +79,14 @@ def start_kafka(settings: Settings) -> str:
     return bootstrap
 
 
-def replay_ml100k(settings: Settings, **window) -> int:
-    from genrec.ingest import replay
-
-    replay.load_items(settings, replay.ml100k_items())
-    frame = replay.ml100k_events()
-    return replay.replay_events(settings, frame, event_id_prefix="ml-100k", **window).produced
-
-
 def ingest_until_idle(settings: Settings, idle_s: float = 5.0) -> tuple[int, float]:
     """Stored events and the rate from first event to last write."""
-    from genrec.ingest.consumer import Ingestor
-
     stats = Ingestor(settings).run(exit_when_idle_s=idle_s, progress_every_s=5.0)
     active = (stats.last_store_at or 0.0) - (stats.first_event_at or 0.0)
     return stats.events_stored, stats.events_stored / active if active > 0 else 0.0
 
 
 def count_store(settings: Settings) -> dict[str, int]:
-    from genrec.infra.database import make_engine
-    from genrec.schemas.tables import events, items, users
-
     engine = make_engine(str(settings.database_url))
     with engine.connect() as connection:
         counts = {
@@ -109,9 +98,6 @@ def count_store(settings: Settings) -> dict[str, int]:
 
 
 def refresh_once(settings: Settings) -> dict[str, Any]:
-    from genrec.infra.database import make_engine
-    from genrec.offline.refresh import run_refresh
-
     engine = make_engine(str(settings.database_url))
     report = run_refresh(settings, engine, trigger="demo")
     engine.dispose()
@@ -123,48 +109,7 @@ def refresh_once(settings: Settings) -> dict[str, Any]:
     }
 
 
-def skip_group_to_end(settings: Settings, group_id: str, topic: str) -> None:
-    """Commit ``group_id``'s offsets at the end of ``topic``: it serves only what comes next."""
-    from kafka import KafkaConsumer, TopicPartition
-    from kafka.structs import OffsetAndMetadata
-
-    consumer = KafkaConsumer(
-        **settings.kafka.client_config(), group_id=group_id, enable_auto_commit=False
-    )
-    partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-    ends = consumer.end_offsets(partitions)
-    consumer.commit({tp: OffsetAndMetadata(offset, "", -1) for tp, offset in ends.items()})
-    consumer.close()
-
-
-def start_service(settings: Settings, args: list[str], log_path: Path) -> subprocess.Popen:
-    """A ``genrec`` subcommand as its own process, configured like this one."""
-    env = {
-        **os.environ,
-        "GENREC_DATA_DIR": str(settings.data_dir),
-        "GENREC_DATABASE_URL": str(settings.database_url),
-        "GENREC_KAFKA__BOOTSTRAP": settings.kafka.bootstrap,
-        "PYTHONUNBUFFERED": "1",
-    }
-    command = [sys.executable, "-m", "genrec.app.cli", *args]
-    handle = log_path.open("ab")
-    return subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
-
-
-def stop_service(process: subprocess.Popen, timeout: float = 60.0) -> int:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-    return process.returncode
-
-
 def run_demo(settings: Settings, json_path: Path | None = None, rate: float = 100.0) -> DemoReport:
-    from genrec.app.demo_online import serve_and_measure
-
     report = DemoReport()
     clock = time.monotonic()
     report.bootstrap = start_kafka(settings)
@@ -186,7 +131,7 @@ def run_demo(settings: Settings, json_path: Path | None = None, rate: float = 10
     print(f"offline refresh: {report.refresh} in {report.seconds['offline_refresh']:.0f} s")
 
     clock = time.monotonic()
-    report.online = serve_and_measure(settings, rate=rate)
+    report.online = serve_and_measure(settings, rate=rate, start=SPLIT_FRACTION)
     report.seconds["online"] = round(time.monotonic() - clock, 1)
     print_online(report.online)
     report.store_counts = count_store(settings)

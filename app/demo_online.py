@@ -16,15 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from genrec.app.demo import (
-    SPLIT_FRACTION,
-    replay_ml100k,
-    skip_group_to_end,
-    start_service,
-    stop_service,
-)
 from genrec.app.prequential import Published, ReplayedEvent, prequential_figures
+from genrec.app.services import skip_group_to_end, start_service, stop_service
 from genrec.infra.settings import Settings
+from genrec.ingest.replay import replay_ml100k
 
 log = logging.getLogger("genrec.demo")
 
@@ -67,7 +62,8 @@ def wait_for_log(path: Path, needles: tuple[str, ...], timeout: float, process) 
     raise TimeoutError(f"{path.name}: not ready after {timeout:.0f} s; see {path}")
 
 
-def serve_and_measure(settings: Settings, rate: float) -> dict[str, Any]:
+def serve_and_measure(settings: Settings, rate: float, start: float) -> dict[str, Any]:
+    """Start ingest and serve, replay ML-100K from ``start`` (a fraction) at ``rate``, measure."""
     logs = settings.data_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     skip_group_to_end(settings, settings.online.group_id, settings.kafka.topic_events)
@@ -79,8 +75,8 @@ def serve_and_measure(settings: Settings, rate: float) -> dict[str, Any]:
         wait_for_log(logs / "serve.log", ("serving version", "partitions assigned"),
                      READY_TIMEOUT_S, serve)  # fmt: skip
         print(f"online: ingest and serve running (logs in {logs}); replaying the last "
-              f"{1 - SPLIT_FRACTION:.0%} at {rate:g} events/s")  # fmt: skip
-        produced = replay_ml100k(settings, start=SPLIT_FRACTION, rate=rate)
+              f"{1 - start:.0%} at {rate:g} events/s")  # fmt: skip
+        produced = replay_ml100k(settings, start=start, rate=rate)
         events, published = collect(events_tail, recs_tail, produced)
     finally:
         for name, process in (("serve", serve), ("ingest", ingest)):

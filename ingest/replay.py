@@ -322,3 +322,11 @@ def load_items(settings: Settings, rows: list[dict[str, Any]]) -> int:
         return upsert_items(engine, rows)
     finally:
         engine.dispose()
+
+
+def replay_ml100k(settings: Settings, **window) -> int:
+    """ML-100K's catalog into the store and its events (``window``: ``cut_window``'s
+    ``start``/``end``, plus ``replay_events``' options) into Kafka; returns how many were produced."""
+    load_items(settings, ml100k_items())
+    frame = ml100k_events()
+    return replay_events(settings, frame, event_id_prefix="ml-100k", **window).produced

@@ -54,7 +54,7 @@ from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
 from tqdm import tqdm
 
-from genrec.app.demo import skip_group_to_end, stop_service
+from genrec.app.services import skip_group_to_end, stop_service
 from genrec.infra.database import make_engine
 from genrec.infra.topics import create_topics, subscribe_when_ready
 from genrec.ingest.history import load_item_ids, load_user_histories
