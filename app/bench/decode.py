@@ -42,7 +42,15 @@ from types import SimpleNamespace
 import torch
 from tqdm import tqdm
 
+from genrec.infra.database import make_engine
+from genrec.infra.settings import get_settings
+from genrec.offline.splits import load_split
+from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.constraints import TrieLogitsProcessor
+from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument, compute_prefix_kv
+from genrec.online.decoding.speculative import speculative_beam_search
 from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.store import NoActiveModels, load_model_version
 from genrec.schemas.token_layout import TokenLayout
 
 
@@ -122,11 +130,6 @@ def load_trained_models(
     the test item, ``seen`` = the history's items.
     """
     import random
-
-    from genrec.infra.database import make_engine
-    from genrec.infra.settings import get_settings
-    from genrec.offline.splits import load_split
-    from genrec.online.models.store import NoActiveModels, load_model_version
 
     settings = settings or get_settings()
     engine = engine if engine is not None else make_engine(settings.database_url)
@@ -234,7 +237,6 @@ def run_decode_bench(
 
     ``clock``: "cpu", "wall", or "auto" (wall on a GPU, CPU time otherwise).
     """
-    from genrec.online.decoding.prefix_kv import compute_prefix_kv
 
     clock = resolve_clock(clock, next(models.target.parameters()).device)
     users = models.eval_users[:n_users]
@@ -310,9 +312,6 @@ def _synchronize(device: torch.device) -> None:
 
 def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft, decode, clock):
     """One (K, batch size): every mode over the same batches; returns (row, strict == target-only)."""
-    from genrec.online.decoding.beam_search import beam_search
-    from genrec.online.decoding.prefix_kv import PrefixBatch
-    from genrec.online.decoding.speculative import speculative_beam_search
 
     trie, layout = models.trie, models.layout
     batches = [range(i, min(i + bs, len(users))) for i in range(0, len(users), bs)]
@@ -447,8 +446,6 @@ def hf_generate_items(
     """transformers' ``generate`` with the trie constraint (renormalize: ``"allowed"``, else ``"full"``)."""
     from transformers import LogitsProcessorList
 
-    from genrec.online.decoding.constraints import TrieLogitsProcessor
-
     layout = trie.layout
     width = max(len(p) for p in prompts)
     device = next(model.parameters()).device
@@ -492,8 +489,6 @@ def measure_verification(
     Also times one target-only step (K nodes): verify / step is what a round must beat.
     """
     from transformers import DynamicCache
-
-    from genrec.online.decoding.prefix_kv import cache_argument, compute_prefix_kv
 
     target = models.target
     base = target.get_decoder()

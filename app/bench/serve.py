@@ -38,6 +38,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from genrec.infra.database import make_engine
+from genrec.infra.serving_versions import active_serving_version
+from genrec.infra.settings import get_settings
+from genrec.ingest.history import load_user_histories
+from genrec.ingest.movielens import load_ml100k
+from genrec.online.decoding.prefix_kv import compute_prefix_kv, load_prefix_kv, save_prefix_kv
+from genrec.online.models.generative import GenerativeModels
+from genrec.online.models.presets import build_draft, build_target, get_preset, pick_device
+from genrec.online.models.smollm2 import pretrained_item_layout
+from genrec.online.models.store import NoActiveModels, load_model_version
+from genrec.online.prompts import ItemTokens
+from genrec.online.recommender import GenerativeRequest, ModelDecoder
+from genrec.schemas.token_layout import TokenLayout
+
 
 @dataclass
 class BenchModels:
@@ -59,8 +73,6 @@ def run_serve_bench(
     beam_width: int | None = None,
 ) -> dict[str, Any]:
     """Time both sides per batch size, print a table and the ratio; returns the figures."""
-    from genrec.infra.settings import get_settings
-    from genrec.online.recommender import ModelDecoder
 
     if suffix_events < 1 or users < 1 or repeats < 1 or not batch_sizes:
         raise ValueError("need users >= 1, suffix_events >= 1, repeats >= 1 and a batch size")
@@ -103,8 +115,6 @@ def run_serve_bench(
 
 def _requests(models, histories, suffix_events: int):
     """Per user: the full-prompt request and the prefix-KV request of the same prompt."""
-    from genrec.online.decoding.prefix_kv import compute_prefix_kv, save_prefix_kv
-    from genrec.online.recommender import GenerativeRequest
 
     tokens, depth = models.item_tokens, models.item_tokens.layout.depth
     full, cached, files = [], [], []
@@ -170,7 +180,6 @@ def _draft_prefill_ms_per_user(decoder, cached) -> float:
     """What a worker spends once per user and cached prefix on the draft's own prefix KV."""
     if decoder.draft is None:
         return 0.0
-    from genrec.online.decoding.prefix_kv import compute_prefix_kv
 
     prompts = [r.prefix_kv.prompt_ids for r in cached]
     started = time.perf_counter()
@@ -180,8 +189,6 @@ def _draft_prefill_ms_per_user(decoder, cached) -> float:
 
 
 def _load_ms_per_user(files: list[Path], model_version: str) -> float:
-    from genrec.online.decoding.prefix_kv import load_prefix_kv
-
     started = time.perf_counter()
     for path in files:
         load_prefix_kv(path, model_version)
@@ -252,16 +259,12 @@ def _write_outputs(figures: dict, json_path: Path | None, settings) -> None:
 def _models_and_histories(
     settings, preset: str, users: int, suffix_events: int, random: bool, history_items: int
 ):
-    from genrec.infra.database import make_engine
-    from genrec.ingest.history import load_user_histories
 
     engine = make_engine(settings.database_url)
     stored = load_user_histories(engine)
     if stored:
         histories = [[e.item_id for e in h] for h in stored.values()]
     else:
-        from genrec.ingest.movielens import load_ml100k
-
         events = load_ml100k().events
         histories = [list(g.item_id) for _u, g in events.groupby("user_id", sort=False)]
     loaded = None if random else _trained_models(settings, engine)
@@ -279,8 +282,6 @@ def _models_and_histories(
 
 def _trained_models(settings, engine) -> BenchModels | None:
     """The active serving version's model, else the active model version, else None."""
-    from genrec.infra.serving_versions import active_serving_version
-    from genrec.online.models.store import NoActiveModels, load_model_version
 
     active = active_serving_version(engine)
     if active is not None and active.model_version is not None:
@@ -299,16 +300,10 @@ def _trained_models(settings, engine) -> BenchModels | None:
 
 def _random_models(preset_name: str, item_ids: list[str], history_items: int = 50):
     """Fresh models of ``preset_name`` over random unique semantic IDs (3 x 256 + 32 dedup)."""
-    from genrec.online.models.generative import GenerativeModels
-    from genrec.online.models.presets import build_draft, build_target, get_preset, pick_device
-    from genrec.online.prompts import ItemTokens
-    from genrec.schemas.token_layout import TokenLayout
 
     preset = get_preset(preset_name)
     codes_per_level = (256, 256, 256, 32)
     if preset.pretrained is not None:
-        from genrec.online.models.smollm2 import pretrained_item_layout
-
         layout = pretrained_item_layout(codes_per_level)
     else:
         layout = TokenLayout.for_scratch_model(codes_per_level)
