@@ -56,7 +56,6 @@ from genrec.ingest.history import history_pages
 from genrec.offline.artifact_gc import collect_old_versions
 from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.run_lock import RunLock
-from genrec.offline.training import cli as train_cli
 from genrec.online.prefix_kv_store import PrefixKVEntry, open_kv_store
 from genrec.online.prompts import history_prompt
 from genrec.schemas.tables import events, items, job_runs, serving_versions
@@ -91,13 +90,10 @@ def train_models(settings, engine: Engine, retrain_target: bool) -> None:
     Both end with a new active model version (``model_versions``), which the
     next step loads.
     """
-    entry = getattr(train_cli, "train_for_refresh", None)
-    if entry is None:
-        raise RuntimeError(
-            "genrec.offline.training.cli has no train_for_refresh(settings, engine, preset=, "
-            "target=): cannot retrain from the refresh job"
-        )
-    entry(settings, engine, preset=settings.refresh.train_preset, target=retrain_target)
+    # torch and transformers load only when a run retrains (slow imports)
+    from genrec.offline.training.run import train_for_refresh
+
+    train_for_refresh(settings, engine, preset=settings.refresh.train_preset, target=retrain_target)
 
 
 def load_models(settings, engine: Engine):

@@ -6,7 +6,7 @@ import pytest
 
 from genrec.app.bench.decode import load_trained_models, run_decode_bench
 from genrec.infra.settings import DecodeSettings
-from genrec.offline.training.cli import train_models
+from genrec.offline.training.run import train_models
 from genrec.online.models.store import load_model_version
 from tests.helpers import tiny_settings
 

@@ -1,7 +1,7 @@
 """The refresh with the real steps on ML-100K: semantic IDs, tiny-preset training, prefix KV.
 
 Skipped until the model store and the training entry point exist
-(``genrec.online.models.store``, ``genrec.offline.training.cli.train_for_refresh``).
+(``genrec.online.models.store``, ``genrec.offline.training.run.train_for_refresh``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _has(module: str, name: str | None = None) -> bool:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (_has("genrec.online.models.store") and _has("genrec.offline.training.cli", "train_for_refresh")),
+        not (_has("genrec.online.models.store") and _has("genrec.offline.training.run", "train_for_refresh")),
         reason="model store / training entry point not available yet",
     ),
 ]  # fmt: skip

@@ -8,7 +8,7 @@ import torch
 from sqlalchemy import select
 
 from genrec.offline.splits import load_split
-from genrec.offline.training.cli import train_models
+from genrec.offline.training.run import train_models
 from genrec.offline.training.target import train_target
 from genrec.online.models.generative import (
     GenerativeModels,

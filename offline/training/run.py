@@ -1,0 +1,182 @@
+"""One training run (offline step, models): target + three drafts on the active semantic IDs.
+
+Load the active semantic IDs and the leave-one-out split, train the target, the
+SFT draft, the target's teacher beams, the AtSpeed-S and AtSpeed-R drafts,
+measure them, save everything as a new model version and activate it. Used by
+``genrec offline train`` (``offline/training/cli.py``) and by the refresh job
+(``train_for_refresh``).
+
+Example::
+
+    >>> version, metrics = train_models(settings, engine, preset_name="tiny")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from genrec.offline.semantic_ids.build import load_active_semantic_ids
+from genrec.offline.splits import load_split
+from genrec.offline.training.draft import (
+    ALIGNED_VARIANTS,
+    align_draft,
+    make_teacher_data,
+    sample_training_prompts,
+    train_sft_draft,
+)
+from genrec.offline.training.target import evaluate_cases, plot_curves, train_target
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.generative import GenerativeModels, draft_agreement
+from genrec.online.models.presets import (
+    count_parameters,
+    get_preset,
+    pick_device,
+    scratch_tokenizer,
+)
+from genrec.online.models.smollm2 import load_pretrained_with_items, pretrained_item_layout
+from genrec.online.models.store import ModelBundle, load_model_version, save_model_version
+from genrec.online.prompts import ItemTokens
+from genrec.schemas.token_layout import TokenLayout
+
+log = logging.getLogger("genrec.models")
+
+
+def train_for_refresh(settings, engine, preset: str | None = None, target: bool = True) -> int:
+    """Entry point of the refresh job: retrain everything, or only re-align the drafts."""
+    version, _ = train_models(settings, engine, preset_name=preset, train_target_model=target,
+                              progress=False)  # fmt: skip
+    return version
+
+
+def train_models(
+    settings,
+    engine,
+    preset_name: str | None = None,
+    train_target_model: bool = True,
+    overrides: dict[str, Any] | None = None,
+    progress: bool = True,
+    semantic_ids=None,
+) -> tuple[int, dict[str, Any]]:
+    """Train target + drafts, save and activate a model version; returns (version, metrics)."""
+    config = settings.model
+    torch.set_num_threads(config.torch_threads)
+    chosen = {"teacher_prompts": config.teacher_prompts, "teacher_beams": config.teacher_beams}
+    chosen.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    preset = get_preset(preset_name or config.preset).with_overrides(**chosen)
+    if semantic_ids is None:
+        semantic_ids = load_active_semantic_ids(engine, settings)
+    split = load_split(engine)
+    item_tokens, tokenizer, base_model = _tokens_and_tokenizer(preset, semantic_ids)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="genrec-train-") as scratch:
+        bundle_parts = _train_all(settings, engine, preset, split, item_tokens, base_model,
+                                  train_target_model, Path(scratch), progress)  # fmt: skip
+        metrics = {**bundle_parts["metrics"], "seconds_total": time.perf_counter() - started}
+        bundle = ModelBundle(
+            target=bundle_parts["target"], drafts=bundle_parts["drafts"], tokenizer=tokenizer,
+            item_tokens=item_tokens, preset=preset.name, history_items=config.history_items,
+            semantic_id_version=getattr(semantic_ids, "version", None),
+            params={"preset": preset.to_dict(), "history_items": config.history_items,
+                    "align_weight": config.align_weight, "seed": config.seed},
+            metrics=metrics, plots=bundle_parts["plots"],
+        )  # fmt: skip
+        version = save_model_version(settings, engine, bundle)
+    log.info("model version %s: %s", version, metrics)
+    return version, metrics
+
+
+def _tokens_and_tokenizer(preset, semantic_ids):
+    """The model's token layout, item tokens and tokenizer (plus the pretrained base model)."""
+    codes_per_level = tuple(semantic_ids.layout.codes_per_level)
+    if preset.pretrained is None:
+        layout = TokenLayout.for_scratch_model(codes_per_level)
+        return (
+            ItemTokens(semantic_ids.item_ids, semantic_ids.codes, layout),
+            scratch_tokenizer(layout),
+            None,
+        )
+
+    layout = pretrained_item_layout(codes_per_level)
+    model, tokenizer = load_pretrained_with_items(layout)
+    return ItemTokens(semantic_ids.item_ids, semantic_ids.codes, layout), tokenizer, model
+
+
+def _train_all(settings, engine, preset, split, item_tokens, base_model, train_target_model,
+               scratch: Path, progress: bool) -> dict[str, Any]:  # fmt: skip
+    config = settings.model
+    history = config.history_items
+    metrics: dict[str, Any] = {}
+    plots: dict[str, Path] = {}
+    if train_target_model:
+        result = train_target(item_tokens, split, preset, history, model=base_model,
+                              seed=config.seed, progress=progress, beam_width=config.beam_width)  # fmt: skip
+        target = result.model
+        metrics.update(target_seconds=result.seconds, target_params=count_parameters(target),
+                       **{f"target_{k}": v for k, v in result.metrics.items()})  # fmt: skip
+        plots["target_curves.png"] = plot_curves(result.curves, scratch / "target_curves.png",
+                                                 f"target ({preset.name})")  # fmt: skip
+    else:
+        target = _active_target(settings, engine, item_tokens)
+    device = pick_device()
+    tree = ItemTrie.from_item_tokens(item_tokens, device)
+    test_cases = [c for c in split.test.values() if c.target in item_tokens][: preset.eval_users]
+    test = evaluate_cases(
+        target, item_tokens, tree, test_cases, history, beam_width=config.beam_width
+    )
+    metrics.update({f"target_test_{k}": v for k, v in test.items()})
+    log.info("target test %s", test)
+
+    sft = train_sft_draft(item_tokens, split, preset, history, seed=config.seed, progress=progress)
+    drafts = {"sft": sft.model}
+    metrics.update(sft_seconds=sft.seconds, draft_params=count_parameters(sft.model))
+    started = time.perf_counter()
+    prompts, truths = sample_training_prompts(split, item_tokens, history, preset.teacher_prompts,
+                                              seed=config.seed)  # fmt: skip
+    teacher = make_teacher_data(target, item_tokens, tree, prompts, truths, preset.teacher_beams,
+                                progress=progress)  # fmt: skip
+    metrics["teacher_seconds"] = time.perf_counter() - started
+    curves = {"sft_train_loss": sft.curves["train_loss"]}
+    for variant in ALIGNED_VARIANTS:
+        aligned = align_draft(sft.model, teacher, variant, tree, preset, config.align_weight,
+                              seed=config.seed, progress=progress)  # fmt: skip
+        drafts[variant] = aligned.model
+        metrics[f"{variant}_seconds"] = aligned.seconds
+        curves[f"{variant}_train_loss"] = aligned.curves["train_loss"]
+    plots["draft_curves.png"] = plot_curves(curves, scratch / "draft_curves.png", "drafts")
+
+    models = GenerativeModels(target, drafts, item_tokens, history, preset.name, device=device)
+    valid_cases = [c for c in split.valid.values() if c.target in item_tokens]
+    agreement_users = min(config.agreement_users, preset.eval_users or config.agreement_users)
+    agreement = draft_agreement(models, valid_cases[:agreement_users], k=10)
+    metrics["agreement_valid@10"] = agreement
+    log.info("draft agreement %s", agreement)
+    return {"target": target, "drafts": drafts, "metrics": metrics, "plots": plots}
+
+
+def _active_target(settings, engine, item_tokens):
+    """The active version's target, checked to fit the current semantic IDs.
+
+    A semantic-ID refresh keeps every existing item's ID and the layout, so the
+    target still fits after new items were added; anything else needs a retrain.
+    """
+
+    active = load_model_version(settings, engine)
+    old = active.item_tokens
+    common = [i for i in old.item_ids if i in item_tokens]
+    same_ids = all(
+        np.array_equal(old.table[old.index[i]], item_tokens.table[item_tokens.index[i]])
+        for i in common
+    )
+    if old.layout != item_tokens.layout or len(common) != len(old.item_ids) or not same_ids:
+        raise ValueError(
+            "the active target was trained on other semantic IDs: retrain it "
+            "(genrec offline train without --drafts-only)"
+        )
+    return active.target
