@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from genrec.infra.errors import UserFacingError
+from genrec.infra.logs import configure_logging
+from genrec.infra.settings import get_settings, unknown_variables
 
 # Modules that add subcommands, in the order they appear in --help.
 COMMAND_MODULES = (
@@ -78,9 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     from pydantic import ValidationError
-
-    from genrec.infra.logs import configure_logging
-    from genrec.infra.settings import get_settings, unknown_variables
 
     try:
         settings = get_settings()

@@ -6,6 +6,9 @@ import argparse
 import signal
 from pathlib import Path
 
+from genrec.infra.errors import UserFacingError
+from genrec.infra.settings import get_settings
+
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
     """Add this step's subcommands to ``genrec``."""
@@ -62,7 +65,6 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 def _ingest(args: argparse.Namespace) -> int:
     # Imported here, not at the top: kafka and sqlalchemy load for `genrec ingest` only.
     from genrec.infra import metrics
-    from genrec.infra.settings import get_settings
     from genrec.ingest.consumer import Ingestor
 
     settings = get_settings()
@@ -87,7 +89,6 @@ def _ingest(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from genrec.infra.settings import get_settings
     from genrec.ingest import replay
 
     settings = get_settings()
@@ -121,7 +122,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _load_catalog(settings, args: argparse.Namespace) -> int:
     """``genrec replay --items FILE`` without events: new and changed items for the next refresh."""
-    from genrec.infra.errors import UserFacingError
     from genrec.ingest import replay
 
     if args.items is None or args.no_items:

@@ -43,6 +43,8 @@ from typing import Any
 from pydantic_core import from_json, to_json
 
 from genrec.infra import metrics
+from genrec.infra.database import make_engine
+from genrec.ingest.store import write_event_rows
 
 log = logging.getLogger("genrec.ingest.writer")
 
@@ -232,9 +234,6 @@ def _child_main(connection: Any, database_url: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from sqlalchemy.exc import DBAPIError
-
-    from genrec.infra.database import make_engine
-    from genrec.ingest.store import write_event_rows
 
     engine = None
     try:

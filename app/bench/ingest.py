@@ -27,7 +27,11 @@ from typing import Any
 
 import pandas as pd
 
+from genrec.app.postgres import LocalPostgres
 from genrec.infra.settings import Settings
+from genrec.infra.topics import create_topics, subscribe_when_ready
+from genrec.ingest.consumer import Ingestor, consumer_config
+from genrec.ingest.replay import replay_events
 
 log = logging.getLogger("genrec.app.bench.ingest")
 
@@ -58,9 +62,6 @@ def bare_consume(settings: Settings, topic: str, expected: int) -> float:
     """
     from kafka import KafkaConsumer
 
-    from genrec.infra.topics import subscribe_when_ready
-    from genrec.ingest.consumer import consumer_config
-
     config = consumer_config(settings, group_id=f"genrec-bench-bare-{uuid.uuid4().hex[:8]}")
     consumer = KafkaConsumer(**config)
     subscribe_when_ready(consumer, topic, timeout_s=settings.kafka.topic_wait_s)
@@ -84,7 +85,6 @@ def ingest_consume(
 
     Timed from the first non-empty poll to the end of the last batch's write.
     """
-    from genrec.ingest.consumer import Ingestor
 
     settings = settings.model_copy(deep=True)
     settings.kafka.topic_events = topic
@@ -109,8 +109,6 @@ def run_bench(
     unknown = set(stores) - set(STORES)
     if unknown or not stores:
         raise ValueError(f"stores must be some of {STORES}, got {stores}")
-    from genrec.infra.topics import create_topics
-    from genrec.ingest.replay import replay_events
 
     suffix = uuid.uuid4().hex[:8]
     kafka = settings.kafka.model_copy(
@@ -180,7 +178,6 @@ def _store_url(store: str):
         with tempfile.TemporaryDirectory(prefix="genrec-bench-") as folder:
             yield f"sqlite:///{Path(folder) / 'bench.db'}"
         return
-    from genrec.app.postgres import LocalPostgres
 
     server = LocalPostgres.start(fsync=True)
     try:
