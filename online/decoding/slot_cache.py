@@ -1,0 +1,256 @@
+"""One model's KV for a batched decode, in preallocated per-layer tensors addressed by slot.
+
+The batched engine (``engine.py``) keeps, per model and per layer, keys and
+values ``[B, kv_heads, capacity, head_dim]``. Row b is user b: slots
+``[0, prefix_width)`` hold its cached prefix (right-aligned, ``PrefixBatch``),
+the next ``pending_width`` slots its pending tokens (the prefix's last token and
+the suffix, or the whole prompt; left-aligned), and every later call appends its
+new tokens at the same slots for all users. Which slots a new token attends to
+is a boolean visibility row (the prompt plus its own path: the slots of its
+ancestors and itself), passed to the model as a 4D mask, at position
+``prompt_len + level``. No per-user objects: one call costs the same number of
+tensor operations whatever the batch size.
+
+Example::
+
+    model_kv = SlotModel(target, [[1, 7, 260, 517, 772]], extra_slots=40)
+    hidden = model_kv.forward_pending()        # [B, pending_width, H]
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument
+
+Prompts = list[list[int]] | PrefixBatch
+
+
+class Buffers:
+    """Flat storage reused from one decode to the next.
+
+    A fresh multi-megabyte tensor is paged in by the kernel on first touch (here about
+    1 GB/s, 12 ms of a 65 ms batch-64 decode); a reused one is not. Keeps up to
+    ``keep`` buffers per (dtype, device); thread-safe.
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep, self.lock = keep, threading.Lock()
+        self.free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor of at least ``numel`` elements (contents undefined)."""
+        with self.lock:
+            pool = self.free.setdefault((dtype, device), [])
+            fitting = [i for i, b in enumerate(pool) if b.numel() >= numel]
+            if fitting:
+                return pool.pop(min(fitting, key=lambda i: pool[i].numel()))
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        with self.lock:
+            pool = self.free.setdefault((buffer.dtype, buffer.device), [])
+            pool.append(buffer)
+            if len(pool) > self.keep:
+                pool.pop(min(range(len(pool)), key=lambda i: pool[i].numel()))
+
+
+BUFFERS = Buffers()
+
+
+class SlotKV(DynamicCache):
+    """A transformers cache whose ``update`` writes a call's keys/values at slots ``[start, stop)``
+    of preallocated tensors and hands the attention every slot before ``stop``."""
+
+    def __init__(self, config, keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        super().__init__(config=config)
+        self.slot_keys, self.slot_values = keys, values
+        self.start = 0
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        stop = self.start + key_states.shape[2]
+        keys, values = self.slot_keys[layer_idx], self.slot_values[layer_idx]
+        keys[:, :, self.start : stop] = key_states
+        values[:, :, self.start : stop] = value_states
+        return keys[:, :, :stop], values[:, :, :stop]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+
+class SlotModel:
+    """``model``'s KV for a batch of ``prompts``, with room for ``extra_slots`` generated tokens."""
+
+    def __init__(self, model, prompts: Prompts, extra_slots: int) -> None:
+        self.base = model.get_decoder()
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        # An input embedding that reads the codes before a token (online.models.item_vectors)
+        # gets them for the pending tokens, which may start inside a cached prompt.
+        self.embedding = model.get_input_embeddings()
+        self.context_width = int(getattr(self.embedding, "context_width", 0))
+        if isinstance(prompts, PrefixBatch):
+            prefixes = prompts.prefixes
+            prefix_len = [p.length for p in prefixes]
+            pending = [
+                p.prompt_ids[-1:] + list(s) for p, s in zip(prefixes, prompts.suffixes, strict=True)
+            ]
+            before = [
+                p.prompt_ids[:-1][-self.context_width :] if self.context_width else []
+                for p in prefixes
+            ]
+        else:
+            if not prompts or any(len(p) == 0 for p in prompts):
+                raise ValueError("prompts must be a non-empty list of non-empty token lists")
+            prefixes, prefix_len, pending = [], [0] * len(prompts), [list(p) for p in prompts]
+            before = [[] for _ in prompts]
+        self.n_users = len(pending)
+        self.prefix_width = max(prefix_len)
+        self.pending_width = max(len(p) for p in pending)
+        self.capacity = self.prefix_width + self.pending_width + extra_slots
+        self._allocate(model.config)
+        if self.prefix_width:
+            self._copy_prefixes(prefixes, prefix_len)
+        self._pending(prefix_len, pending, before)
+        self.cursor = self.prefix_width  # the slot the next call writes first
+
+    def _allocate(self, config) -> None:
+        config = config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        # Never read before written, except the prefix region (copied in, zero-padded)
+        shape = (self.n_users, heads, self.capacity, head_dim)
+        n_layers = config.num_hidden_layers
+        self.storage = BUFFERS.take(2 * n_layers * math.prod(shape), self.dtype, self.device)
+        views = self.storage[: 2 * n_layers * math.prod(shape)].view(2, n_layers, *shape)
+        keys, values = list(views[0].unbind(0)), list(views[1].unbind(0))
+        self.cache = SlotKV(self.base.config, keys, values)
+        self.cache_kwarg = cache_argument(type(self.base))
+
+    def close(self) -> None:
+        """Hand the KV storage back for the next decode (this object is unusable after)."""
+        if self.storage is not None:
+            BUFFERS.give(self.storage)
+            self.storage = self.cache = None
+
+    def _copy_prefixes(self, prefixes, prefix_len: list[int]) -> None:
+        """Every user's cached prefix into its row, right-aligned, zeros before it (set-up, not
+        a decoding step: one copy per user and layer, which is what the prefix costs anyway)."""
+        expected = len(self.cache.slot_keys)
+        if any(len(p.keys) != expected for p in prefixes):
+            raise ValueError(f"prefix KV with the wrong number of layers (model has {expected})")
+        width = self.prefix_width
+        for layer, (keys, values) in enumerate(
+            zip(self.cache.slot_keys, self.cache.slot_values, strict=True)
+        ):
+            for row, (prefix, length) in enumerate(zip(prefixes, prefix_len, strict=True)):
+                keys[row, :, : width - length].zero_()
+                values[row, :, : width - length].zero_()
+                keys[row, :, width - length : width] = prefix.keys[layer]
+                values[row, :, width - length : width] = prefix.values[layer]
+        lengths = torch.tensor(prefix_len, device=self.device)
+        self.prefix_visible = torch.arange(width, device=self.device) >= (width - lengths[:, None])
+
+    def _pending(
+        self, prefix_len: list[int], pending: list[list[int]], before: list[list[int]]
+    ) -> None:
+        width, device = self.pending_width, self.device
+        self.pending_ids = torch.tensor(
+            [p + [0] * (width - len(p)) for p in pending], dtype=torch.long, device=device
+        )
+        lengths = torch.tensor([len(p) for p in pending], device=device)
+        column = torch.arange(width, device=device)
+        self.pending_valid = column < lengths[:, None]
+        offsets = torch.tensor(prefix_len, device=device)
+        self.pending_positions = torch.where(self.pending_valid, offsets[:, None] + column, 0)
+        self.prompt_len = offsets + lengths  # [B]: position of the first generated token
+        self.pending_tips = lengths - 1  # [B]: column of each user's last pending token
+        if not self.prefix_width:
+            self.prefix_visible = torch.zeros(self.n_users, 0, dtype=torch.bool, device=device)
+        prompt_visible = torch.zeros(self.n_users, self.capacity, dtype=torch.bool, device=device)
+        prompt_visible[:, : self.prefix_width] = self.prefix_visible
+        prompt_visible[:, self.prefix_width : self.prefix_width + width] = self.pending_valid
+        self.hidden_value = torch.finfo(self.dtype).min  # additive mask of a slot not attended to
+        self.prompt_mask = self._additive(prompt_visible)
+        # pending token i sees the prefix and the pending tokens up to i; padding sees only itself
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        chain = causal & self.pending_valid[:, None, :] & self.pending_valid[:, :, None]
+        chain |= torch.eye(width, dtype=torch.bool, device=device)
+        prefix = self.prefix_visible[:, None, :] & self.pending_valid[:, :, None]
+        self.pending_mask = self._additive(
+            torch.cat([prefix, chain], 2)
+        )  # [B, width, prefix + width]
+        self.context = None
+        if self.context_width:
+            self.context = torch.tensor(
+                [[-1] * (self.context_width - len(b)) + list(b) for b in before],
+                dtype=torch.long, device=device,
+            )  # fmt: skip
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible, self.hidden_value)
+
+    def attention_mask(self, paths: torch.Tensor, width: int) -> torch.Tensor:
+        """Tensor[B, Q, width], additive: the prompt plus the slots in ``paths`` ([B, Q, depth],
+        -1: none) are attended to."""
+        n, q = paths.shape[:2]
+        mask = torch.empty(n, q, width + 1, dtype=self.dtype, device=self.device)
+        mask[:, :, :width] = self.prompt_mask[:, None, :width]
+        mask.scatter_(2, torch.where(paths >= 0, paths, width), 0.0)
+        return mask[:, :, :width]
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        paths: torch.Tensor,
+        with_pending: bool = False,
+    ) -> torch.Tensor:
+        """One model call; returns the last hidden states ``[B, Q, H]``.
+
+        Row q writes slot ``cursor + q``; ``paths[:, q]`` are the generated slots it
+        attends to (itself included) besides the prompt. ``with_pending``: the
+        call starts with the pending tokens (``pending_width`` rows, whose own
+        ``ids``, ``positions`` and ``paths`` are not passed).
+        """
+        if with_pending:
+            ids = torch.cat([self.pending_ids, ids], 1)
+            positions = torch.cat([self.pending_positions, positions], 1)
+        width = self.cursor + ids.shape[1]
+        mask = self.attention_mask(paths, width)
+        if with_pending:
+            pad = width - self.pending_mask.shape[2]
+            pending = F.pad(self.pending_mask, (0, pad), value=self.hidden_value)
+            mask = torch.cat([pending, mask], 1)
+        self.cache.start = self.cursor
+        output = self.base(
+            **self._inputs(ids, with_pending),
+            position_ids=positions,
+            attention_mask=mask[:, None],
+            use_cache=True,
+            **{self.cache_kwarg: self.cache},
+        )
+        self.cursor = width
+        return output.last_hidden_state
+
+    def _inputs(self, ids: torch.Tensor, with_pending: bool) -> dict:
+        if not self.context_width:
+            return {"input_ids": ids}
+        if not with_pending:
+            # generated codes only: no complete history item in them (see docs/decoding.md)
+            return {"inputs_embeds": self.embedding(ids, find_items=False)}
+        width = self.pending_width
+        pending = self.embedding(ids[:, :width], context=self.context)
+        return {
+            "inputs_embeds": torch.cat(
+                [pending, self.embedding(ids[:, width:], find_items=False)], 1
+            )
+        }

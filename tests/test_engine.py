@@ -1,0 +1,301 @@
+"""The batched engine: target-only == strict == beam_search == transformers generate, item for item.
+
+Random tiny Llama models (float64, so that two orders of summation cannot reorder
+near-tied items) over a random catalog; batched and one user at a time; full
+prompts and cached prefixes with ragged suffixes; seen-item exclusion; the
+relaxed rule; and the engine's defining property: a decode costs the same
+number of tensor operations whatever the batch size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from genrec.app.bench.decode import hf_generate_items
+from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
+from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
+from genrec.online.decoding.trie import ItemTrie
+from genrec.online.decoding.trie_tables import TrieTables
+from genrec.online.models.item_vectors import attach_item_vectors
+from genrec.schemas.token_layout import TokenLayout
+
+BEAM_WIDTHS = [1, 3, 5, 10, 20]
+CODES = (12, 6, 6, 3)
+
+
+def tiny_llama(layout: TokenLayout, layers: int, hidden: int, seed: int, dtype=torch.float64):
+    config = LlamaConfig(
+        vocab_size=layout.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=256, pad_token_id=layout.pad_token_id,
+        bos_token_id=layout.bos_token_id, eos_token_id=layout.eos_token_id,
+        initializer_range=0.2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+class Case:
+    """A random catalog, a target, a draft, and ragged users."""
+
+    def __init__(self, seed: int = 0, n_items: int = 160, n_users: int = 6) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.layout = TokenLayout.for_scratch_model(CODES)
+        codes = torch.stack(
+            [torch.randint(0, c, (4 * n_items,), generator=generator) for c in CODES], 1
+        )
+        codes = torch.unique(codes, dim=0)
+        codes = codes[torch.randperm(len(codes), generator=generator)[:n_items]]
+        self.items = torch.tensor(self.layout.encode(codes.tolist()))
+        self.trie = ItemTrie(self.items, self.layout)
+        self.target = tiny_llama(self.layout, 2, 32, seed + 1)
+        self.draft = tiny_llama(self.layout, 1, 16, seed + 2)
+        lengths = torch.randint(1, 8, (n_users,), generator=generator).tolist()
+        rows = [torch.randint(0, n_items, (n,), generator=generator) for n in lengths]
+        self.prompts = [[self.layout.bos_token_id] + self.items[r].flatten().tolist() for r in rows]
+
+    def prefix_batch(self, model, version: str) -> PrefixBatch:
+        """The users' prompts as cached prefixes plus suffixes of 0, 1 or 2 items (ragged)."""
+        depth = self.layout.depth
+        cuts = [
+            len(p) - min(i % 3, (len(p) - 1) // depth) * depth for i, p in enumerate(self.prompts)
+        ]
+        prefixes = compute_prefix_kv(
+            model, [p[:c] for p, c in zip(self.prompts, cuts, strict=True)], version
+        )
+        return PrefixBatch(prefixes, [p[c:] for p, c in zip(self.prompts, cuts, strict=True)])
+
+
+@pytest.fixture(scope="module")
+def case() -> Case:
+    torch.set_num_threads(2)
+    return Case()
+
+
+def assert_same(result, reference, atol: float = 1e-9) -> None:
+    assert torch.equal(result.tokens, reference.tokens)
+    assert torch.equal(result.item_index, reference.item_index)
+    torch.testing.assert_close(result.scores, reference.scores, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("k", BEAM_WIDTHS)
+def test_target_only_equals_beam_search_and_generate_batched_and_alone(case: Case, k: int):
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    assert torch.equal(
+        reference.tokens, hf_generate_items(case.target, case.prompts, case.trie, k).tokens
+    )
+    batched = batched_beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    assert_same(batched, reference)
+    for row, prompt in enumerate(case.prompts[:3]):
+        alone = batched_beam_search(case.target, [prompt], case.trie, case.layout, k)
+        assert torch.equal(alone.tokens[0], reference.tokens[row])
+        torch.testing.assert_close(alone.scores[0], reference.scores[row], atol=1e-9, rtol=0)
+    assert all(s.target_calls == case.layout.depth and not s.speculative for s in batched.stats)
+
+
+@pytest.mark.parametrize("k", BEAM_WIDTHS)
+def test_strict_equals_target_only_for_any_draft(case: Case, k: int):
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    for draft in (case.draft, case.target):
+        batched = batched_speculative_beam_search(
+            case.target, draft, case.prompts, case.trie, case.layout, k
+        )
+        assert_same(batched, reference)
+        alone = batched_speculative_beam_search(
+            case.target, draft, case.prompts[1:2], case.trie, case.layout, k, n_draft=max(k, 7)
+        )
+        assert torch.equal(alone.tokens[0], reference.tokens[1])
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_full_vocabulary_scores_equal_generate_too(case: Case, k: int):
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, k, score_mode="full")
+    generated = hf_generate_items(case.target, case.prompts, case.trie, k, renormalize=False)
+    assert torch.equal(reference.tokens, generated.tokens)
+    target_only = batched_beam_search(
+        case.target, case.prompts, case.trie, case.layout, k, score_mode="full"
+    )
+    strict = batched_speculative_beam_search(
+        case.target, case.draft, case.prompts, case.trie, case.layout, k, score_mode="full"
+    )
+    assert_same(target_only, reference)
+    assert_same(strict, reference)
+
+
+@pytest.mark.parametrize("k", [1, 10])
+def test_cached_prefixes_with_ragged_suffixes_equal_full_prompts(case: Case, k: int):
+    target_batch = case.prefix_batch(case.target, "t")
+    draft_batch = case.prefix_batch(case.draft, "d")
+    reference = beam_search(case.target, target_batch, case.trie, case.layout, k)
+    full = batched_beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    assert_same(
+        batched_beam_search(case.target, target_batch, case.trie, case.layout, k), reference
+    )
+    assert_same(full, reference)
+    both = (target_batch, draft_batch)
+    for prompts in (both, target_batch):  # the draft from its own prefixes, or from full prompts
+        strict = batched_speculative_beam_search(
+            case.target, case.draft, prompts, case.trie, case.layout, k
+        )
+        assert_same(strict, reference)
+
+
+@pytest.mark.parametrize("k", [3, 10])
+def test_seen_items_are_masked_as_generate_with_a_masking_processor(case: Case, k: int):
+    plain = beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    exclude = [row[::2].tolist() for row in plain.item_index[:-1]] + [[]]
+    # and one whole subtree: every item under the first user's best first code
+    first = plain.tokens[0, 0, 0]
+    exclude[0] += (case.items[:, 0] == first).nonzero()[:, 0].tolist()
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, k, exclude=exclude)
+    generated = hf_generate_items(case.target, case.prompts, case.trie, k, exclude=exclude)
+    assert torch.equal(reference.tokens, generated.tokens)
+    ours = batched_beam_search(
+        case.target, case.prompts, case.trie, case.layout, k, exclude=exclude
+    )
+    assert_same(ours, reference)
+    strict = batched_speculative_beam_search(
+        case.target, case.draft, case.prompts, case.trie, case.layout, k, exclude=exclude
+    )
+    assert_same(strict, reference)
+    for row, seen in zip(ours.item_index.tolist(), exclude, strict=True):
+        assert not set(row) & set(seen)
+
+
+def test_dead_node_table_matches_the_trie(case: Case):
+    tables = TrieTables.of(case.trie)
+    rows = [torch.arange(0, case.trie.n_items, 3).tolist(), [], [5]]
+    dead = tables.dead_nodes(rows)
+    for user, user_rows in enumerate(rows):
+        per_level = case.trie.dead_nodes(torch.tensor(user_rows, dtype=torch.long))
+        expected = torch.cat(
+            [tables.offsets[d + 1] + nodes for d, nodes in enumerate(per_level[:-1])]
+            + [tables.item_offset + per_level[-1]]
+        )
+        assert torch.equal(dead[user].nonzero()[:, 0], expected.sort().values)
+    assert tables.dead_nodes([[], []]) is None
+    with pytest.raises(ValueError, match="item rows"):
+        tables.dead_nodes([[case.trie.n_items]])
+
+
+def test_acceptance_is_full_with_the_target_as_its_own_draft(case: Case):
+    depth = case.layout.depth
+    itself = batched_speculative_beam_search(
+        case.target, case.target, case.prompts, case.trie, case.layout, 10
+    )
+    for stats in itself.stats:
+        assert stats.speculative and stats.target_calls == stats.rounds == 1
+        assert stats.accepted_steps == stats.drafted_steps == stats.draft_calls == depth - 1
+    other = batched_speculative_beam_search(
+        case.target, case.draft, case.prompts, case.trie, case.layout, 10
+    )
+    assert sum(s.accepted_steps for s in other.stats) < sum(s.drafted_steps for s in other.stats)
+    assert all(1 <= s.target_calls == s.rounds <= depth for s in other.stats)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20])
+def test_relaxed_gives_valid_distinct_seeded_items(case: Case, k: int):
+    def run(draft, seed: int):
+        return batched_speculative_beam_search(
+            case.target, draft, case.prompts, case.trie, case.layout, k, mode="relaxed",
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    first, again = run(case.draft, 7), run(case.draft, 7)
+    assert torch.equal(first.tokens, again.tokens)
+    assert (first.item_index >= 0).all()
+    assert torch.equal(case.items[first.item_index], first.tokens)
+    assert all(len(set(row.tolist())) == k for row in first.item_index)
+    assert (first.scores[:, :-1] >= first.scores[:, 1:]).all()
+    # with the target as its own draft, p == q: every drafted node is accepted
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, k)
+    assert_same(run(case.target, 0), reference)
+
+
+def test_tiny_catalog_pads_missing_beams(case: Case):
+    trie = ItemTrie(case.items[:3], case.layout)
+    for result in (
+        batched_beam_search(case.target, case.prompts[:2], trie, case.layout, 5),
+        batched_speculative_beam_search(
+            case.target, case.draft, case.prompts[:2], trie, case.layout, 5
+        ),
+    ):
+        for row in range(2):
+            assert sorted(result.item_index[row, :3].tolist()) == [0, 1, 2]
+            assert result.item_index[row, 3:].tolist() == [-1, -1]
+            assert torch.isinf(result.scores[row, 3:]).all()
+            assert (result.tokens[row, 3:] == case.layout.pad_token_id).all()
+
+
+def test_item_vector_target_from_prefixes_equals_beam_search():
+    case = Case(seed=3, n_users=4)
+    attach_item_vectors(
+        case.target, case.trie, torch.randn(case.trie.n_items, 8, dtype=torch.float64)
+    )
+    batch = case.prefix_batch(case.target, "t")
+    for prompts in (batch, case.prompts):
+        reference = beam_search(case.target, prompts, case.trie, case.layout, 5)
+        assert_same(batched_beam_search(case.target, prompts, case.trie, case.layout, 5), reference)
+
+
+def test_float32_models_agree_to_1e_5():
+    case = Case(seed=5, n_users=5)
+    case.target, case.draft = case.target.float(), case.draft.float()
+    reference = beam_search(case.target, case.prompts, case.trie, case.layout, 10)
+    for result in (
+        batched_beam_search(case.target, case.prompts, case.trie, case.layout, 10),
+        batched_speculative_beam_search(
+            case.target, case.draft, case.prompts, case.trie, case.layout, 10
+        ),
+    ):
+        assert result.scores.dtype == torch.float32
+        assert_same(result, reference, atol=1e-5)
+
+
+def test_bad_input_is_refused(case: Case):
+    with pytest.raises(ValueError):
+        batched_beam_search(case.target, [[]], case.trie, case.layout, 3)
+    with pytest.raises(ValueError):
+        batched_beam_search(case.target, [[1]], case.trie, case.layout, 0)
+    with pytest.raises(ValueError, match="score_mode"):
+        batched_beam_search(case.target, [[1]], case.trie, case.layout, 3, score_mode="bogus")
+    with pytest.raises(ValueError, match="exclude"):
+        batched_beam_search(case.target, [[1]], case.trie, case.layout, 3, exclude=[[], []])
+    with pytest.raises(ValueError, match="n_draft"):
+        batched_speculative_beam_search(
+            case.target, case.draft, [[1]], case.trie, case.layout, 5, n_draft=4
+        )
+    with pytest.raises(ValueError, match="mode"):
+        batched_speculative_beam_search(
+            case.target, case.draft, [[1]], case.trie, case.layout, 3, mode="x"
+        )
+
+
+def operations(decode, prompts) -> int:
+    """Tensor operations ``decode(prompts)`` dispatches (not those that operations run
+    inside: how torch carries out one may depend on sizes)."""
+    with profile() as recorded:
+        decode(prompts)
+    return sum(
+        1
+        for event in recorded.events()
+        if event.name.startswith("aten::")
+        and (event.cpu_parent is None or not event.cpu_parent.name.startswith("aten::"))
+    )
+
+
+def test_a_decode_costs_the_same_operations_whatever_the_batch_size(case: Case):
+    few, many = case.prompts[:2], case.prompts * 3
+    for decode in (
+        lambda prompts: batched_beam_search(case.target, prompts, case.trie, case.layout, 10),
+        # the target as its own draft: every user takes one round, whatever the batch
+        lambda prompts: batched_speculative_beam_search(
+            case.target, case.target, prompts, case.trie, case.layout, 10
+        ),
+    ):
+        decode(few), decode(many)  # the trie's tables, and KV storage that fits both, exist
+        assert operations(decode, few) == operations(decode, many)
