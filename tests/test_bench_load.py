@@ -3,6 +3,7 @@ run through the real broker against `genrec serve` subprocesses on a tiny traine
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
+from genrec.app.bench import load
 from genrec.app.bench.load import (
     Answers,
     CpuMeter,
@@ -116,7 +118,7 @@ def test_summarize_step_counts_coalesced_unanswered_and_twice() -> None:
     times = {e: 1 for e in first_at} | {"e9": 2}
     step = summarize_step(
         1, 10.0, scheduled, Answers(first_at, times, requests=8),
-        p99_limit_ms=100.0, cpu_pct=42.04, send_lags_s=[0.0] * 9 + [0.01],
+        p99_limit_ms=100.0, cpu_pct=42.04, send_lags_s=[0.0] * 9 + [0.01], host_load=3.141,
     )  # fmt: skip
     assert (step.events, step.answered, step.unanswered, step.answered_twice) == (10, 9, 1, 1)
     assert step.p50_ms == pytest.approx(20.0)
@@ -125,6 +127,7 @@ def test_summarize_step_counts_coalesced_unanswered_and_twice() -> None:
     assert step.requests_ps == pytest.approx(8 / 0.95, rel=1e-3)
     assert step.worker_cpu_pct == 42.0
     assert step.send_lag_p99_ms == pytest.approx(9.1, abs=0.1)
+    assert step.host_load_1m == 3.14
     assert step.overloaded  # e8 was never answered
 
 
@@ -185,6 +188,55 @@ def test_ready_workers_are_stable_members_holding_partitions() -> None:
     assert assigned_members(FakeAdmin("PreparingRebalance", [[0, 1, 2], [3, 4, 5]]), "g") == 0
 
 
+def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None:
+    started: list[str] = []
+
+    class FakeServices:
+        def __init__(self, run_id: str) -> None:
+            self.run_id = run_id
+
+        def log_path(self, name: str) -> str:
+            return f"{self.run_id}-{name}.log"
+
+        def wait_ready(self, timeout_s: float) -> None:
+            if len(started) <= stalls:  # the first `stalls` starts never join
+                raise TimeoutError("did not join")
+
+        def worker_pids(self) -> list[int]:
+            return [42]
+
+        def check_alive(self) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def fake_started(_settings, _workers, run_id):
+        started.append(run_id)
+        yield FakeServices(run_id)
+
+    monkeypatch.setattr(load, "started_services", fake_started)
+    answer_stalls: list[str] = []  # starts whose workers joined but never answered
+
+    def fake_warm_up(_traffic, _workers, _check, _timeout_s) -> None:
+        if started[-1] in answer_stalls:
+            raise TimeoutError("no answer")
+
+    monkeypatch.setattr(load, "warm_up", fake_warm_up)
+    monkeypatch.setattr(load, "run_steps", lambda _t, workers, pids, _c: {"w": workers, "p": pids})
+    traffic = load._Traffic(None, None, None, LoadConfig())
+    stalls = 1
+    assert load.run_started_phase(traffic, None, 2, "r") == {"w": 2, "p": [42]}
+    assert started == ["r-1", "r-2"]
+    started.clear()
+    stalls = 2
+    with pytest.raises(TimeoutError):
+        load.run_started_phase(traffic, None, 1, "r")
+    assert started == ["r-1", "r-2"]
+    started.clear()
+    stalls, answer_stalls[:] = 0, ["r-1"]  # joined, then stalled: as seen on a loaded host
+    assert load.run_started_phase(traffic, None, 1, "r") == {"w": 1, "p": [42]}
+    assert started == ["r-1", "r-2"]
+
+
 def test_cpu_of_this_process_from_proc() -> None:
     assert process_cpu_s(os.getpid()) > 0
     meter = CpuMeter([os.getpid()])
@@ -228,14 +280,14 @@ def genrec_children() -> list[psutil.Process]:
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)  # ~2 min; a stalled group join restarts a phase's workers once
 def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, capsys) -> None:
     home = tmp_path / "home"
     shutil.copytree(serving_home, home)  # ingest writes the bench's events into its store
     settings = Settings(home=home, kafka=kafka_settings)
     config = LoadConfig(
         rates=(3.0, 6.0), step_s=2.0, drain_s=60.0, p99_ms=60_000.0, workers=(1, 2),
-        warmup_events=3, progress=False,
+        warmup_events=3, ready_timeout_s=120.0, join_timeout_s=90.0, progress=False,
     )  # fmt: skip
     report = run_load_bench(settings, config)
     json_path, png_path = tmp_path / "load.json", tmp_path / "load.png"

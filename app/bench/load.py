@@ -72,6 +72,8 @@ START_LEAD_S = 0.05  # between planning a step and its first send
 ANSWER_POLL_MS = 100  # the answers consumer's poll timeout: bounds how fast it stops
 STOP_TIMEOUT_S = 60.0  # SIGTERM, then this long before SIGKILL
 GROUP_POLL_S = 0.5
+GROUP_SETTLE_S = 3.0  # a group counts as joined once it has stayed so this long
+START_ATTEMPTS = 2  # started services that never join are restarted once
 ITEM_TRIES = 32  # random catalog picks before settling for an item the user has seen
 
 
@@ -88,7 +90,8 @@ class LoadConfig:
     worker_pids: tuple[int, ...] = ()  # their processes, for CPU (start=False)
     users: int | None = None  # at most this many store users (None: all)
     warmup_events: int = 40  # per worker, after the first answer, before the first step
-    ready_timeout_s: float = 300.0  # for the workers to join and answer their first event
+    ready_timeout_s: float = 300.0  # for the workers to answer their first event
+    join_timeout_s: float = 180.0  # for started workers to join and warm up; else restarted once
     seed: int = 0
     progress: bool = True  # a tqdm bar per step, on a terminal only
 
@@ -164,6 +167,7 @@ class StepResult:
     worker_cpu_pct: float | None  # % of one core, summed over the workers
     send_lag_p99_ms: float  # how late the bench itself sent (included in the latency)
     overloaded: bool
+    host_load_1m: float | None = None  # the host's 1-minute load average at the step's end
 
 
 def latency_figures(latencies_ms: Sequence[float]) -> dict[str, float | None]:
@@ -194,6 +198,7 @@ def summarize_step(
     p99_limit_ms: float,
     cpu_pct: float | None = None,
     send_lags_s: Sequence[float] = (),
+    host_load: float | None = None,
 ) -> StepResult:
     """The step's figures from each event's due time and its answers' receipt times."""
     latencies = [
@@ -223,6 +228,7 @@ def summarize_step(
         worker_cpu_pct=None if cpu_pct is None else round(cpu_pct, 1),
         send_lag_p99_ms=round(lag, 2),
         overloaded=is_overloaded(figures["p99_ms"], unanswered, p99_limit_ms),
+        host_load_1m=None if host_load is None else round(host_load, 2),
     )
 
 
@@ -569,26 +575,43 @@ class Services:
                                    f"see {self.log_path(name)}")  # fmt: skip
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Until every worker holds partitions of the events topic in a stable group."""
+        """Until every worker has held partitions of the events topic, in a stable group,
+        for ``GROUP_SETTLE_S``: a worker's first assignment is often followed by a second
+        rebalance within a second, and no event should arrive while it runs."""
         admin = KafkaAdminClient(**self.settings.kafka.client_config())
         try:
             deadline = time.monotonic() + timeout_s
-            while assigned_members(admin, self.online_group) < self.workers:
+            settled_since: float | None = None
+            while True:
                 self.check_alive()
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if assigned_members(admin, self.online_group) < self.workers:
+                    settled_since = None
+                elif settled_since is None:
+                    settled_since = now
+                elif now - settled_since >= GROUP_SETTLE_S:
+                    return
+                if now > deadline:
                     raise TimeoutError(f"{self.workers} workers did not join group "
-                                       f"{self.online_group} in {timeout_s:.0f} s")  # fmt: skip
+                                       f"{self.online_group} in {timeout_s:.0f} s (see "
+                                       f"{self.log_path('serve-*')})")  # fmt: skip
                 time.sleep(GROUP_POLL_S)
         finally:
             admin.close()
 
     def stop(self) -> None:
         """Workers first (each finishes its batch in hand), then ingest; SIGKILL if stuck."""
-        for name, process in reversed(self.processes):
-            code = stop_service(process, timeout=STOP_TIMEOUT_S)
-            if code not in (0, None):
-                log.warning("%s exited with %s; see %s", name, code, self.log_path(name))
-        self.processes.clear()
+        try:
+            for name, process in reversed(self.processes):
+                code = stop_service(process, timeout=STOP_TIMEOUT_S)
+                if code not in (0, None):
+                    log.warning("%s exited with %s; see %s", name, code, self.log_path(name))
+        finally:  # interrupted while waiting (Ctrl-C, a test timeout): leave nothing behind
+            for _name, process in self.processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            self.processes.clear()
 
 
 def assigned_members(admin: KafkaAdminClient, group: str) -> int:
@@ -628,26 +651,33 @@ class _Traffic:
     config: LoadConfig
 
 
-def warm_up(traffic: _Traffic, workers: int, check: Callable[[], None] | None) -> None:
-    """Until every worker answers: one event per partition first, then a little steady
-    traffic (auto-mode timing, first prefix-KV reads); all of it must be answered."""
-    config = traffic.config
+def answer_each_partition(
+    traffic: _Traffic, timeout_s: float, check: Callable[[], None] | None
+) -> None:
+    """One event per events partition, all answered within ``timeout_s``: every worker of
+    the group holds its partitions and serves them (TimeoutError otherwise)."""
     users = users_by_partition(traffic.picker.users, traffic.sender.partitions)
     first = [traffic.picker.event("warm", user) for user in users.values()]
     for event in first:
         traffic.sender.send(event)
     traffic.sender.flush()
-    if not traffic.answers.wait_for([e.event_id for e in first], config.ready_timeout_s, check):
-        raise TimeoutError(f"no answer to the warm-up events in {config.ready_timeout_s:.0f} s: "
-                           "are the workers running on this topic?")  # fmt: skip
-    count = max(1, config.warmup_events * workers)
+    if not traffic.answers.wait_for([e.event_id for e in first], timeout_s, check):
+        raise TimeoutError(f"no answer to one event per partition in {timeout_s:.0f} s: are "
+                           "the workers running on this topic?")  # fmt: skip
+
+
+def warm_up(
+    traffic: _Traffic, workers: int, check: Callable[[], None] | None, timeout_s: float
+) -> None:
+    """Until every worker answers, then a little steady traffic (auto-mode timing, first
+    prefix-KV reads); all of it must be answered, each part within ``timeout_s``."""
+    answer_each_partition(traffic, timeout_s, check)
+    count = max(1, traffic.config.warmup_events * workers)
     scheduled, _ = send_on_schedule(
         traffic.sender, traffic.picker, "warm", send_offsets(WARMUP_RATE, count / WARMUP_RATE)
     )
-    if not traffic.answers.wait_for(scheduled, config.ready_timeout_s, check):
-        raise TimeoutError(
-            f"the warm-up traffic was not answered in {config.ready_timeout_s:.0f} s"
-        )
+    if not traffic.answers.wait_for(scheduled, timeout_s, check):
+        raise TimeoutError(f"the warm-up traffic was not answered in {timeout_s:.0f} s")
 
 
 def run_step(
@@ -668,7 +698,7 @@ def run_step(
     traffic.answers.wait_for(scheduled, config.drain_s, check)
     return summarize_step(
         workers, rate, scheduled, traffic.answers.lookup(scheduled), p99_limit_ms=config.p99_ms,
-        cpu_pct=meter.percent(), send_lags_s=lags,
+        cpu_pct=meter.percent(), send_lags_s=lags, host_load=os.getloadavg()[0],
     )  # fmt: skip
 
 
@@ -676,7 +706,14 @@ def run_phase(
     traffic: _Traffic, workers: int, pids: Sequence[int], check: Callable[[], None] | None
 ) -> dict[str, Any]:
     """Warm up, then step the rate up until a step overloads."""
-    warm_up(traffic, workers, check)
+    warm_up(traffic, workers, check, traffic.config.ready_timeout_s)
+    return run_steps(traffic, workers, pids, check)
+
+
+def run_steps(
+    traffic: _Traffic, workers: int, pids: Sequence[int], check: Callable[[], None] | None
+) -> dict[str, Any]:
+    """Step the rate up until a step overloads (the workers are warm)."""
     steps: list[StepResult] = []
     for rate in traffic.config.step_rates():
         step = run_step(traffic, workers, rate, pids, check)
@@ -714,16 +751,36 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
         stack.callback(sender.close)
         traffic = _Traffic(sender, picker, answers, config)
         for workers in config.phase_workers():
-            if not config.start:
+            if config.start:
+                phases.append(run_started_phase(traffic, settings, workers, run_id))
+            else:
                 phases.append(run_phase(traffic, workers, config.worker_pids, None))
-                continue
-            with started_services(settings, workers, run_id) as services:
-                print(f"load: starting ingest and {workers} serve (logs {services.log_path('*')})")
-                services.wait_ready(config.ready_timeout_s)
-                phases.append(
-                    run_phase(traffic, workers, services.worker_pids(), services.check_alive)
-                )
     return build_report(settings, config, phases, run_id)
+
+
+def run_started_phase(
+    traffic: _Traffic, settings: Settings, workers: int, run_id: str
+) -> dict[str, Any]:
+    """A phase against services it starts; restarted once if the workers never serve.
+
+    A worker whose group join stalls (seen on a loaded host: "partitions revoked" right
+    after its first assignment and no assignment after it) serves nothing until the
+    broker drops it; fresh processes in a fresh group join again.
+    """
+    config = traffic.config
+    for attempt in range(1, START_ATTEMPTS + 1):
+        with started_services(settings, workers, f"{run_id}-{attempt}") as services:
+            print(f"load: started ingest and {workers} serve (logs {services.log_path('*')})")
+            try:
+                services.wait_ready(config.join_timeout_s)
+                warm_up(traffic, workers, services.check_alive, config.join_timeout_s)
+            except TimeoutError as exc:
+                if attempt == START_ATTEMPTS:
+                    raise
+                log.warning("%s; restarting them", exc)
+                continue
+            return run_steps(traffic, workers, services.worker_pids(), services.check_alive)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def build_report(
@@ -776,7 +833,7 @@ def step_line(step: StepResult) -> str:
         f"answered, {step.requests_ps:7.1f} req/s, p50/p95/p99/max {ms(step.p50_ms)}/"
         f"{ms(step.p95_ms)}/{ms(step.p99_ms)}/{ms(step.max_ms)} ms, unanswered "
         f"{step.unanswered}, twice {step.answered_twice}, worker CPU {cpu}, send lag p99 "
-        f"{step.send_lag_p99_ms:.0f} ms: {verdict}"
+        f"{step.send_lag_p99_ms:.0f} ms, host load {step.host_load_1m}: {verdict}"
     )
 
 
@@ -809,6 +866,7 @@ def plot_latency(phases: Sequence[Mapping[str, Any]], p99_limit_ms: float, path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for phase, color in zip(phases, itertools.cycle(["C0", "C1", "C2", "C3"]), strict=False):
@@ -823,6 +881,13 @@ def plot_latency(phases: Sequence[Mapping[str, Any]], p99_limit_ms: float, path:
     ax.axhline(p99_limit_ms, color="grey", lw=0.8, ls=":", label=f"p99 bound {p99_limit_ms:g} ms")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):  # ticks 20, 50, 100, 200 (not 2 x 10^1)
+        axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda value, _pos: f"{value:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    answered = [s["answered_eps"] for p in phases for s in p["steps"] if s["answered_eps"] > 0]
+    if answered:  # room around the points: a phase of one step still gets a tick
+        ax.set_xlim(min(answered) / 1.5, max(answered) * 1.5)
     ax.set_xlabel("answered events/s")
     ax.set_ylabel("event-to-recommendation latency (ms)")
     ax.set_title("genrec bench load: open-loop latency vs throughput")
