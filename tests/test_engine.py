@@ -94,7 +94,13 @@ def test_target_only_equals_beam_search_and_generate_batched_and_alone(case: Cas
         alone = batched_beam_search(case.target, [prompt], case.trie, case.layout, k)
         assert torch.equal(alone.tokens[0], reference.tokens[row])
         torch.testing.assert_close(alone.scores[0], reference.scores[row], atol=1e-9, rtol=0)
-    assert all(s.target_calls == case.layout.depth and not s.speculative for s in batched.stats)
+    assert all(s.target_calls + s.forced_steps == case.layout.depth for s in batched.stats)
+    assert not any(s.speculative for s in batched.stats)
+    every_level = batched_beam_search(
+        case.target, case.prompts, case.trie, case.layout, k, stop_early=False
+    )
+    assert_same(every_level, reference)
+    assert all(s.target_calls == case.layout.depth for s in every_level.stats)
 
 
 @pytest.mark.parametrize("k", BEAM_WIDTHS)
@@ -291,7 +297,9 @@ def operations(decode, prompts) -> int:
 def test_a_decode_costs_the_same_operations_whatever_the_batch_size(case: Case):
     few, many = case.prompts[:2], case.prompts * 3
     for decode in (
-        lambda prompts: batched_beam_search(case.target, prompts, case.trie, case.layout, 10),
+        lambda prompts: batched_beam_search(
+            case.target, prompts, case.trie, case.layout, 10, stop_early=False
+        ),
         # the target as its own draft: every user takes one round, whatever the batch
         lambda prompts: batched_speculative_beam_search(
             case.target, case.target, prompts, case.trie, case.layout, 10

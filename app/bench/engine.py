@@ -1,16 +1,19 @@
 """The batched decoding engine against the current one, side by side (online decoding step).
 
 ``compare_engines`` times, in one run and on the same users and batches, the
-current engine (``beam_search``, ``speculative_beam_search``) and the batched engine (``online/decoding/engine.py``) in ms per request, at
-several batch sizes, from the users' cached prefixes, and checks that both give
-the same items. ``null_model_overhead`` times the batched engine with a null
-model (1 layer, width 8): what is left is the engine's own work.
+current engine (``beam_search``, ``speculative_beam_search``) and the batched
+engine (``online/decoding/engine.py``) in ms per request (process CPU time) at
+several batch sizes, from the users' cached prefixes, and checks that the
+lossless modes give the current target-only search's items.
+``null_model_overhead`` times both with a null model (1 layer, width 8): what
+is left is the engines' own work. ``genrec bench decode`` can call these later.
 
-Models: ``bench_models(shape="small")`` builds random models of the ``small``
+Models: ``bench_models("small")`` builds random models of the ``small``
 preset's shape (target 2 x 96 with item vectors, draft 1 x 64) over a random
-catalog shaped like ML-100K's semantic IDs (3 x 256 codes and a dedup code,
-1,682 items) with 171-token prompts; any ``BenchModels`` (e.g. the trained
+catalog shaped like ML-100K's semantic IDs (3 x 256 codes and 4 dedup codes,
+1,682 items) with 169-token prompts; any ``BenchModels`` (e.g. the trained
 ``small`` version, ``app.bench.decode.load_models("small")``) works too.
+Figures: docs/decoding.md ("The batched engine").
 
 Example::
 

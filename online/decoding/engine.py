@@ -12,10 +12,12 @@ with a fixed number of tensor operations per step whatever the batch size:
   own path through a 4D mask, at position ``prompt_len + level``;
 - trie lookups are gathers on global, padded tables (``trie_tables``), so users
   at different levels share a step; seen items are one [B, nodes] mask;
-- finished users are masked, not removed, and nothing is read back to the host
-  inside the loop: target-only search takes exactly ``depth`` steps; a
-  speculative round reads back one pair (anyone still decoding, the longest
-  draft), which sizes the round's draft and verification calls.
+- finished users are masked, not removed. Target-only search takes one step
+  per level and reads nothing back from the device; on a CPU, where a read
+  costs nothing, it reads one flag per level and stops once every beam of the
+  batch has a single item left (``stop_early``). A speculative round reads
+  back the pair (anyone still decoding, the longest draft) and, after each
+  drafted level, the longest draft left: they size its calls.
 
 A round, for every user still decoding (at level t, with K beams):
 
@@ -31,12 +33,17 @@ A round, for every user still decoding (at level t, with K beams):
    round; level g + 1 is a free bonus. The output equals target-only search
    (lossless). ``relaxed``: a drafted node is accepted with probability
    min(1, p/q); with >= K accepted the best K go on, else the missing ones are
-   sampled without replacement from max(p - q, 0) (Gumbel top-k) and the round
+   sampled without replacement from max(p - q, 0) (exponential races) and the round
    ends. Seeded; not lossless. Target-only rounds are the bonus level alone.
 
-Unlike ``beam_search``, levels with a single valid child for every beam still
-take a model call (their log-prob is 0, so the beams are the same): skipping
-them would need the host to know, for the whole batch, which levels those are.
+Levels with a single valid child for every beam are filled without a call by
+``beam_search``; here they take one (their log-prob is 0, so the beams are the
+same), except where every beam of a user has a single item left: the rest of
+its IDs is forced, so the user is done (``single_items``; ``"allowed"`` scores).
+
+Measured (2-core CPU, one torch thread, random models of the ``small`` preset's
+shape over an ML-100K-shaped catalog, 169-token prompts from cached prefixes,
+K = 10, N = 20; ``app/bench/engine.py``): docs/decoding.md.
 
 Example::
 
@@ -69,7 +76,9 @@ ScoreMode = Literal["allowed", "full"]
 Level = int | torch.Tensor  # the level of every user: one int when all share it, else LongTensor[B]
 Mode = Literal["target", "strict", "relaxed"]
 NEG_INF = -math.inf  # a score of -inf: no beam (scores are finite or -inf, never +inf or nan)
-STAT_NAMES = ("target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps")
+STAT_NAMES = (
+    "target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps", "forced_steps"
+)  # fmt: skip
 
 
 @dataclass
@@ -250,12 +259,11 @@ def feed_newest(
     path, ids, positions, rows = beams.paths[name], [], [], []
     for i in range(chain):
         slots = kv.cursor + i * width + torch.arange(width, device=kv.device)
-        if isinstance(levels, int):
-            level = levels - chain + i
+        level = levels - chain + i
+        if isinstance(level, int):
             path = set_level(path, level, slots.expand(beams.scores.shape[0], -1))
             ids.append(at_level(beams.tokens, level))
         else:
-            level = levels - chain + i
             old = at_level(path, level)
             real = (level >= 0)[:, None] & (old < 0)
             path = set_level(path, level, torch.where(real, slots, old))
@@ -285,6 +293,7 @@ class BatchedDecode:
         gamma: int = 0,
         mode: Mode = "target",
         generator: torch.Generator | None = None,
+        stop_early: bool | None = None,
     ) -> None:
         if mode not in ("target", "strict", "relaxed"):
             raise ValueError(f"mode must be 'strict' or 'relaxed', got {mode!r}")
@@ -302,9 +311,9 @@ class BatchedDecode:
         self.n_users = self.target.n_users
         self.device = self.target.device
         self.target_head = ItemHead(target, tables, score_mode)
-        self.dead = tables.dead_nodes(exclude)
         if exclude is not None and len(exclude) != self.n_users:
             raise ValueError(f"exclude has {len(exclude)} entries for {self.n_users} users")
+        self.dead = tables.dead_nodes(exclude)
         self.draft = self.draft_head = None
         if self.gamma:
             redrafted = self.depth * sum(self.widths[1:-1])
@@ -313,6 +322,8 @@ class BatchedDecode:
                 raise ValueError("target and draft prompts differ in length")
             self.draft_head = ItemHead(draft, tables, score_mode)
         self.draft_fed_prompt = False
+        # reading a flag back costs nothing on a CPU; on a GPU it would stall the queue
+        self.stop_early = self.device.type == "cpu" if stop_early is None else stop_early
         self.generator = generator
         self.stats = torch.zeros(
             self.n_users, len(STAT_NAMES), dtype=torch.long, device=self.device
@@ -344,16 +355,14 @@ class BatchedDecode:
 
     def _run(self) -> DecodeResult:
         beams = self.initial_beams()
-        if not self.gamma:  # target-only: every user at the same level, one step per level
-            for level in range(self.depth):
-                hidden, tips = self.verify(beams, level, [], first=level == 0)
-                _, top_scores, top_keys = self.target_choice(beams, hidden, tips, level)
-                beams = extend(beams, top_keys, top_scores, level, self.tables)
-            self.count("target_calls", torch.full_like(self.stats[:, 0], self.depth))
-            return self.result(beams)
+        if not self.gamma:
+            return self.result(self.target_only(beams))
         levels = torch.zeros(self.n_users, dtype=torch.long, device=self.device)
         for round_index in range(self.depth):  # each round decides >= 1 level of every user
-            beams, levels = self.complete_single_items(beams, levels)
+            completed, done = self.single_items(beams)
+            done &= levels < self.depth
+            self.count("forced_steps", torch.where(done, self.depth - levels, 0))
+            beams, levels = completed.where(done, beams), torch.where(done, self.depth, levels)
             active = levels < self.depth
             lengths = self.draft_lengths(beams, levels, active)
             # the one host read of a round: it sizes the draft and verification calls
@@ -371,6 +380,23 @@ class BatchedDecode:
             beams, levels = self.walk(beams, levels, lengths, drafts, hidden, tips)
         return self.result(beams)
 
+    def target_only(self, beams: BeamBatch) -> BeamBatch:
+        """Every user at the same level, one target call per level; with ``stop_early``, ends
+        once every beam of the batch has a single item below (one host read per level)."""
+        calls = self.depth
+        for level in range(self.depth):
+            if level and self.stop_early:
+                completed, done = self.single_items(beams)
+                if bool(done.all()):
+                    beams, calls = completed, level
+                    break
+            hidden, tips = self.verify(beams, level, [], first=level == 0)
+            _, top_scores, top_keys = self.target_choice(beams, hidden, tips, level)
+            beams = extend(beams, top_keys, top_scores, level, self.tables)
+        self.count("target_calls", torch.full_like(self.stats[:, 0], calls))
+        self.count("forced_steps", torch.full_like(self.stats[:, 0], self.depth - calls))
+        return beams
+
     def target_choice(
         self, current: BeamBatch, hidden: torch.Tensor, rows: torch.Tensor, level: Level
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -384,26 +410,21 @@ class BatchedDecode:
     def count(self, name: str, amount: torch.Tensor) -> None:
         self.stats[:, STAT_NAMES.index(name)] += amount.long()
 
-    def complete_single_items(
-        self, beams: BeamBatch, levels: torch.Tensor
-    ) -> tuple[BeamBatch, torch.Tensor]:
-        """Users each of whose beams has one item below are done without another call: the
-        rest of every ID is forced, log-prob 0 under ``"allowed"`` scores (as ``beam_search``
-        fills single-child levels; an excluded item scores -inf)."""
-        if self.target_head.score_mode != "allowed":
-            return beams, levels
+    def single_items(self, beams: BeamBatch) -> tuple[BeamBatch, torch.Tensor]:
+        """(the beams completed to the one item below each, and per user: does every beam have
+        one item below). The rest of such an ID is forced: log-prob 0 under ``"allowed"``
+        scores (``beam_search`` fills those levels without a call too); never under ``"full"``."""
         tables = self.tables
         items = tables.item_below[beams.nodes]
         valid = beams.scores > NEG_INF
-        done = ((items >= 0) | ~valid).all(1) & (levels < self.depth)
+        done = ((items >= 0) | ~valid).all(1) & (self.target_head.score_mode == "allowed")
         item_nodes = torch.where(valid & (items >= 0), tables.item_offset + items, tables.sink)
-        scores = beams.scores
-        if self.dead is not None:
-            scores = scores.masked_fill(self.dead.gather(1, item_nodes), -math.inf)
         tokens = tables.trie.item_tokens[items.clamp(min=0)]
         tokens = torch.where(valid[..., None], tokens, beams.tokens)
-        completed = BeamBatch(scores, item_nodes, tokens, beams.paths)
-        return completed.where(done, beams), torch.where(done, self.depth, levels)
+        scores = beams.scores
+        if self.dead is not None:  # only a one-item catalog's root can lead to an excluded item
+            scores = scores.masked_fill(self.dead.gather(1, item_nodes), NEG_INF)
+        return BeamBatch(scores, item_nodes, tokens, beams.paths), done
 
     def draft_lengths(self, beams: BeamBatch, levels: torch.Tensor, active: torch.Tensor):
         """g per user: min(gamma, depth - t - 1), 0 once every beam settles in one (or done)."""
@@ -415,8 +436,9 @@ class BatchedDecode:
         self, beams: BeamBatch, levels: torch.Tensor, lengths: torch.Tensor, longest: int
     ) -> list[DraftLevel]:
         """D_1 .. D_longest: the draft's beam search from the beams, one draft call per level."""
-        drafts, frontier = [], beams
-        for j in range(1, longest + 1):
+        drafts, frontier, j = [], beams, 0
+        while j < longest:
+            j += 1
             level = levels + j - 1  # the level D_j decides
             hidden = self.draft_call(frontier, levels, j)
             log_probs = self.draft_head.log_probs(hidden, frontier.nodes, level, self.dead)
@@ -434,6 +456,7 @@ class BatchedDecode:
             if j < longest:  # the bonus level decides every drafted item: drafting on is waste
                 settled = (self.tables.settles[nodes.nodes] | (scores == NEG_INF)).all(1)
                 lengths.copy_(torch.where(drafting & settled & (lengths > j), j, lengths))
+                longest = int(lengths.max())  # a host read: it saves the draft calls nobody needs
             frontier = nodes
         return drafts
 
@@ -626,14 +649,18 @@ def batched_beam_search(
     *,
     score_mode: ScoreMode = "allowed",
     exclude: Sequence[Sequence[int]] | None = None,
+    stop_early: bool | None = None,
 ) -> DecodeResult:
     """Top-``k`` valid items per user by beam search with ``model`` alone (as ``beam_search``).
 
     ``prompts``: token-id lists (ragged is fine) or a ``PrefixBatch``; ``exclude[b]``:
-    catalog rows user ``b`` must not get. Exactly ``layout.depth`` model calls.
+    catalog rows user ``b`` must not get. One model call per level; ``stop_early``
+    (default: on a CPU, where reading a flag back costs nothing) stops once every
+    beam of the batch has a single item left (a host read per level; same items).
     """
     trie = check_inputs(model, prompts, layout, trie, k)
-    decode = BatchedDecode(model, prompts, TrieTables.of(trie), k, score_mode, exclude)
+    tables = TrieTables.of(trie)
+    decode = BatchedDecode(model, prompts, tables, k, score_mode, exclude, stop_early=stop_early)
     return decode.run()
 
 

@@ -34,13 +34,14 @@ Prompts = list[list[int]] | PrefixBatch
 class Buffers:
     """Flat storage reused from one decode to the next.
 
-    A fresh multi-megabyte tensor is paged in by the kernel on first touch (here about
-    1 GB/s, 12 ms of a 65 ms batch-64 decode); a reused one is not. Keeps up to
-    ``keep`` buffers per (dtype, device); thread-safe.
+    A fresh multi-megabyte tensor is paged in by the kernel on first touch (on the
+    2-core CPU about 1 GB/s: 12 ms of a 65 ms batch-64 decode); a reused one is not.
+    Keeps up to ``keep`` buffers (a target's and a draft's) of at most ``max_bytes``
+    each per (dtype, device); thread-safe.
     """
 
-    def __init__(self, keep: int = 4) -> None:
-        self.keep, self.lock = keep, threading.Lock()
+    def __init__(self, keep: int = 2, max_bytes: int = 1 << 30) -> None:
+        self.keep, self.max_bytes, self.lock = keep, max_bytes, threading.Lock()
         self.free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,6 +54,9 @@ class Buffers:
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` for a later ``take`` (the smallest goes when there are too many)."""
+        if buffer.numel() * buffer.element_size() > self.max_bytes:
+            return
         with self.lock:
             pool = self.free.setdefault((buffer.dtype, buffer.device), [])
             pool.append(buffer)
