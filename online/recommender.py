@@ -526,18 +526,18 @@ class ModelDecoder:
         """Top ``beam_width`` items per user, its seen items (``exclude``) masked in the search."""
         if mode == "target":
             # loads torch, as in __init__
-            from genrec.online.decoding.beam_search import beam_search
+            from genrec.online.decoding.engine import batched_beam_search
 
-            return beam_search(
+            return batched_beam_search(
                 self.models.target, target_prompts, self.trie, self.layout, beam_width,
                 exclude=exclude,
             )  # fmt: skip
         # loads torch, as in __init__
-        from genrec.online.decoding.speculative import speculative_beam_search
+        from genrec.online.decoding.engine import batched_speculative_beam_search
 
         if target_prompts is not draft_prompts:
             target_prompts = (target_prompts, draft_prompts)
-        return speculative_beam_search(
+        return batched_speculative_beam_search(
             self.models.target, self.draft, target_prompts, self.trie, self.layout,
             k=beam_width, n_draft=max(self.settings.draft_beams, beam_width),
             gamma=self.settings.gamma, mode=mode, generator=self.generator,

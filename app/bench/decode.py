@@ -45,10 +45,9 @@ from tqdm import tqdm
 from genrec.infra.database import make_engine
 from genrec.infra.settings import get_settings
 from genrec.offline.splits import load_split
-from genrec.online.decoding.beam_search import beam_search
 from genrec.online.decoding.constraints import TrieLogitsProcessor
+from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
 from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument, compute_prefix_kv
-from genrec.online.decoding.speculative import speculative_beam_search
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.store import NoActiveModels, load_model_version
 from genrec.schemas.token_layout import TokenLayout
@@ -327,11 +326,13 @@ def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft,
         if mode == "hf_generate":
             return hf_generate_items(models.target, prompts, trie, k, exclude=exclude)
         if mode == "target_full":
-            return beam_search(models.target, prompts, trie, layout, k, exclude=exclude)
+            return batched_beam_search(models.target, prompts, trie, layout, k, exclude=exclude)
         if mode == "target_prefix":
-            return beam_search(models.target, target_batch, trie, layout, k, exclude=exclude)
+            return batched_beam_search(
+                models.target, target_batch, trie, layout, k, exclude=exclude
+            )
         draft = models.relaxed_draft if mode == "relaxed" and models.relaxed_draft else models.draft
-        return speculative_beam_search(
+        return batched_speculative_beam_search(
             models.target, draft, (target_batch, draft_batch), trie, layout, k,
             n_draft=n_draft, gamma=decode.gamma, mode=mode, generator=generator, exclude=exclude,
         )  # fmt: skip

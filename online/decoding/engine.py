@@ -74,7 +74,7 @@ if TYPE_CHECKING:
 
 ScoreMode = Literal["allowed", "full"]
 Level = int | torch.Tensor  # the level of every user: one int when all share it, else LongTensor[B]
-Mode = Literal["target", "strict", "relaxed"]
+Mode = Literal["target", "strict", "relaxed", "probe"]
 NEG_INF = -math.inf  # a score of -inf: no beam (scores are finite or -inf, never +inf or nan)
 STAT_NAMES = (
     "target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps", "forced_steps"
@@ -295,13 +295,14 @@ class BatchedDecode:
         generator: torch.Generator | None = None,
         stop_early: bool | None = None,
     ) -> None:
-        if mode not in ("target", "strict", "relaxed"):
+        if mode not in ("target", "strict", "relaxed", "probe"):
             raise ValueError(f"mode must be 'strict' or 'relaxed', got {mode!r}")
         if mode != "target" and (n_draft < k or gamma < 0):
             raise ValueError("need n_draft >= k and gamma >= 0")
         self.tables, self.k, self.mode = tables, k, mode
         self.depth, self.width = tables.depth, tables.width
-        self.gamma = 0 if mode == "target" else min(gamma, self.depth - 1)
+        # the probe drafts one level every round, the last one too
+        self.gamma = {"target": 0, "probe": 1}.get(mode, min(gamma, self.depth - 1))
         self.widths = [k]  # n_j: nodes per drafted level
         for _ in range(self.gamma):
             self.widths.append(min(n_draft, self.widths[-1] * self.width))
@@ -328,6 +329,8 @@ class BatchedDecode:
         self.stats = torch.zeros(
             self.n_users, len(STAT_NAMES), dtype=torch.long, device=self.device
         )
+        # probe: would strict verification take level d of user b (a level nobody drafts: yes)
+        self.accepted = torch.ones(self.n_users, self.depth, dtype=torch.bool, device=self.device)
 
     def initial_beams(self) -> BeamBatch:
         """One beam per user at the root; speculative rounds keep K slots from the start (the
@@ -370,7 +373,9 @@ class BatchedDecode:
             if not anyone:
                 break
             drafts = self.propose(beams, levels, lengths, longest)
-            hidden, tips = self.verify(beams, levels, drafts, first=round_index == 0)
+            # the probe's walk never goes past the target's own choice: nothing to verify
+            verified = [] if self.mode == "probe" else drafts
+            hidden, tips = self.verify(beams, levels, verified, first=round_index == 0)
             for name, amount in (
                 ("target_calls", active),
                 ("rounds", active),
@@ -429,6 +434,8 @@ class BatchedDecode:
     def draft_lengths(self, beams: BeamBatch, levels: torch.Tensor, active: torch.Tensor):
         """g per user: min(gamma, depth - t - 1), 0 once every beam settles in one (or done)."""
         settled = (self.tables.settles[beams.nodes] | (beams.scores == NEG_INF)).all(1)
+        if self.mode == "probe":
+            return active.long()
         lengths = (self.depth - 1 - levels).clamp(0, self.gamma)
         return torch.where(settled | ~active, 0, lengths)
 
@@ -528,6 +535,9 @@ class BatchedDecode:
                 may_accept = walking & (lengths >= j)
                 choice = self.accept(candidates, top_scores, top_keys, step, index, may_accept)
                 accept, taken, taken_scores, keys, scores = choice
+                if self.mode == "probe":
+                    self.record_acceptance(level, may_accept, accept)
+                    accept = torch.zeros_like(accept)
                 end_keys = torch.where(may_accept[:, None], keys, top_keys)
                 end_scores = torch.where(may_accept[:, None], scores, top_scores)
             ending = walking & ~accept
@@ -536,6 +546,8 @@ class BatchedDecode:
             new_levels = torch.where(ending, level + 1, new_levels)
             self.count("accepted_steps", walking & accept)
             walking = walking & accept
+            if self.mode == "probe":
+                break  # the target's top-K ends every probe round
             if j <= len(drafts):
                 current = replace(step.beams.take(taken), scores=taken_scores)
                 rows = step.rows.gather(1, taken)
@@ -561,7 +573,7 @@ class BatchedDecode:
         )
         node_of_key.scatter_(1, keys, torch.arange(n, device=self.device).expand(self.n_users, -1))
         node_of_key = node_of_key[:, : k * width]
-        if self.mode == "strict":
+        if self.mode != "relaxed":
             found = node_of_key.gather(1, top_keys)
             finite = top_scores > NEG_INF
             go_on = may_accept & finite[:, 0] & ((found >= 0) | ~finite).all(1)
@@ -571,6 +583,12 @@ class BatchedDecode:
             candidates, q.flatten(1), keys, drafted, node_of_key, may_accept, k, self.generator
         )
 
+    def record_acceptance(self, level: torch.Tensor, drafted: torch.Tensor, go_on: torch.Tensor):
+        """Probe: ``accepted[b, level[b]]`` = whether strict verification took it (``drafted``)."""
+        column = level.clamp(max=self.depth - 1)[:, None]
+        before = self.accepted.gather(1, column)[:, 0]
+        self.accepted.scatter_(1, column, torch.where(drafted, go_on, before)[:, None])
+
     def result(self, beams: BeamBatch) -> DecodeResult:
         """Best first; missing beams (tiny catalogs) have item -1, score -inf, pad tokens."""
         order = beams.scores.argsort(dim=1, descending=True, stable=True)
@@ -579,7 +597,7 @@ class BatchedDecode:
         pad = self.tables.trie.layout.pad_token_id
         tokens = torch.where(valid[..., None], beams.tokens, pad)
         items = torch.where(valid, self.tables.items(beams.nodes), -1)
-        speculative = self.mode != "target"
+        speculative = self.mode in ("strict", "relaxed")
         stats = [
             DecodeStats(**dict(zip(STAT_NAMES, row, strict=True)), speculative=speculative)
             for row in self.stats.tolist()
@@ -702,3 +720,37 @@ def batched_speculative_beam_search(
     for stats in result.stats if monitor is not None else ():
         monitor.record(stats)
     return result
+
+
+@torch.no_grad()
+def strict_acceptance_per_level(
+    target,
+    draft,
+    prompts: Prompts,
+    trie: ItemTrie,
+    layout: TokenLayout,
+    k: int,
+    *,
+    n_draft: int = 40,
+    score_mode: ScoreMode = "allowed",
+    exclude: Sequence[Sequence[int]] | None = None,
+) -> tuple[DecodeResult, list[list[bool]]]:
+    """Target-only beam search, and per level per user: would strict verification accept the draft?
+
+    The probe mode of the round loop: every round the draft expands the
+    target's K beams by one level (target beam scores + draft log-probs, top
+    ``n_draft``, as the first drafted level of a speculative round) and the
+    strict rule only records whether every (parent, code) of the target's top-K
+    is among them; the round then ends with the target's top-K. Levels nobody
+    drafts (the user's items are decided) count as accepted. Returns (the
+    result, equal to ``batched_beam_search``'s items; ``accepted[level][user]``):
+    a draft-alignment signal per level, free of the round structure that
+    ``DecodeStats.acceptance`` has.
+    """
+    trie = check_inputs(target, prompts, layout, trie, k)
+    decode = BatchedDecode(
+        target, prompts, TrieTables.of(trie), k, score_mode, exclude, draft=draft,
+        draft_prompts=prompts, n_draft=n_draft, mode="probe",
+    )  # fmt: skip
+    result = decode.run()
+    return result, decode.accepted.T.tolist()

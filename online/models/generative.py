@@ -3,7 +3,7 @@
 Owned by the offline models step; used by ``genrec eval``, for teacher data and
 for draft agreement. Decoding is the online engine's (``genrec.online``): the
 trie of valid semantic IDs (``ItemTrie``, ``ItemTrie.from_item_tokens`` for an
-``ItemTokens`` catalog) and its batched ``beam_search``, so offline metrics and
+``ItemTokens`` catalog) and its batched engine (``batched_beam_search``), so offline metrics and
 serving rank items identically. Scores are sums of log-probabilities renormalized over
 the valid children at each level (``score_mode="allowed"``), i.e. the model's
 distribution over items; seen items are masked at the last level.
@@ -31,8 +31,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from genrec.online.decoding.beam_search import beam_search
-from genrec.online.decoding.speculative import strict_acceptance_per_level
+from genrec.online.decoding.engine import batched_beam_search, strict_acceptance_per_level
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.prompts import ItemTokens, history_prompt
 from genrec.schemas.token_layout import TokenLayout
@@ -76,7 +75,7 @@ def decode_batched(
     shadow_width: int | None = None,
     progress: bool = False,
 ) -> BeamResult:
-    """The online ``beam_search`` over many prompts in batches of similar length (input order kept).
+    """The online ``batched_beam_search`` over many prompts in batches of similar length (input order kept).
 
     ``exclude[b]``: item indices prompt ``b`` must not get (e.g. already seen).
     ``shadow``: a draft whose top-``shadow_width`` expansion of the target's
@@ -94,7 +93,9 @@ def decode_batched(
         excluded = [exclude[i] for i in rows] if exclude is not None else None
         acceptance: list[list[bool]] = []
         if shadow is None:
-            result = beam_search(model, batch, tree, tree.layout, beam_width, exclude=excluded)
+            result = batched_beam_search(
+                model, batch, tree, tree.layout, beam_width, exclude=excluded
+            )
         else:
             result, acceptance = strict_acceptance_per_level(
                 model, shadow, batch, tree, tree.layout, beam_width,
