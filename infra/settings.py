@@ -161,7 +161,7 @@ class OnlineSettings(BaseModel):
 
 
 class DecodeSettings(BaseModel):
-    """The decoding engine (online/decoding/beam_search.py, online/decoding/speculative.py) and ``genrec bench decode``."""
+    """The decoding engine (online/decoding/engine.py) and ``genrec bench decode``."""
 
     beam_width: int = Field(default=10, ge=1)  # K: items per list from the beam search
     draft_beam_width: int = Field(default=40, ge=1)  # N >= K: draft beams per step

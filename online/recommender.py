@@ -428,7 +428,7 @@ class ModelDecoder:
         # generative model (and every test with a fake decoder) never loads them.
         import torch
 
-        from genrec.online.decoding.speculative import AcceptanceMonitor
+        from genrec.online.decoding.engine import AcceptanceMonitor
         from genrec.online.decoding.trie import ItemTrie
 
         self.models, self.settings = models, settings

@@ -1,4 +1,5 @@
-"""Target-only constrained beam search == transformers' generate, batched and unbatched."""
+"""The batched engine's target-only search == transformers' generate, batched and unbatched,
+under the same constraint (trie, seen items, composed exclusions)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import torch
 from transformers import LogitsProcessorList
 
 from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
-from genrec.online.decoding.beam_search import BeamLoop, beam_search
-from genrec.online.decoding.constraints import ItemConstraint, TrieLogitsProcessor
+from genrec.online.decoding.constraints import ItemConstraint, SeenItems, TrieLogitsProcessor
+from genrec.online.decoding.engine import BatchedDecode, batched_beam_search
 from genrec.online.decoding.trie import ItemTrie
+from genrec.online.decoding.trie_tables import TrieTables
 from tests.helpers import DECODING_PRESETS
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
@@ -30,17 +32,21 @@ def hf_generate(model, prompts, trie, k: int, renormalize: bool) -> torch.Tensor
 def test_equals_transformers_generate(case: BenchModels, k: int, score_mode: str):
     prompts = [u.prompt for u in case.eval_users[:4]]
     expected = hf_generate(case.target, prompts, case.trie, k, renormalize=score_mode == "allowed")
-    batched = beam_search(case.target, prompts, case.trie, case.layout, k, score_mode=score_mode)
+    batched = batched_beam_search(
+        case.target, prompts, case.trie, case.layout, k, score_mode=score_mode
+    )
     assert torch.equal(batched.tokens, expected)
     for row, prompt in enumerate(prompts):
-        alone = beam_search(case.target, [prompt], case.trie, case.layout, k, score_mode=score_mode)
+        alone = batched_beam_search(
+            case.target, [prompt], case.trie, case.layout, k, score_mode=score_mode
+        )
         assert torch.equal(alone.tokens[0], expected[row])
         torch.testing.assert_close(alone.scores[0], batched.scores[row])
 
 
 def test_results_are_valid_items_best_first(case: BenchModels):
     prompts = [u.prompt for u in case.eval_users]
-    result = beam_search(case.target, prompts, case.trie, case.layout, 10)
+    result = batched_beam_search(case.target, prompts, case.trie, case.layout, 10)
     assert result.tokens.shape == (len(prompts), 10, case.layout.depth)
     assert (result.item_index >= 0).all()
     assert torch.equal(case.trie.item_tokens[result.item_index], result.tokens)
@@ -49,20 +55,21 @@ def test_results_are_valid_items_best_first(case: BenchModels):
         assert len(set(row.tolist())) == 10
 
 
-def test_single_child_steps_cost_no_call(case: BenchModels):
+def test_decided_items_cost_no_call(case: BenchModels):
     prompts = [u.prompt for u in case.eval_users[:3]]
-    allowed = beam_search(case.target, prompts, case.trie, case.layout, 5)
-    full = beam_search(case.target, prompts, case.trie, case.layout, 5, score_mode="full")
+    allowed = batched_beam_search(case.target, prompts, case.trie, case.layout, 5)
+    full = batched_beam_search(case.target, prompts, case.trie, case.layout, 5, score_mode="full")
     for fast, slow in zip(allowed.stats, full.stats, strict=True):
         assert slow.target_calls == case.layout.depth and slow.forced_steps == 0
         assert fast.target_calls + fast.forced_steps == case.layout.depth
+    assert sum(s.forced_steps for s in allowed.stats) > 0  # the dedup level is forced
 
 
 def test_tiny_catalog_pads_missing_beams():
     case = load_models("tiny")
     few = case.trie.item_tokens[:3]
     trie = ItemTrie(few, case.layout)
-    result = beam_search(case.target, [case.eval_users[0].prompt], trie, case.layout, 5)
+    result = batched_beam_search(case.target, [case.eval_users[0].prompt], trie, case.layout, 5)
     assert sorted(result.item_index[0, :3].tolist()) == [0, 1, 2]
     assert result.item_index[0, 3:].tolist() == [-1, -1]
     assert torch.isinf(result.scores[0, 3:]).all()
@@ -70,25 +77,24 @@ def test_tiny_catalog_pads_missing_beams():
 
 def test_bad_input_is_refused(case: BenchModels):
     with pytest.raises(ValueError):
-        beam_search(case.target, [[]], case.trie, case.layout, 3)
+        batched_beam_search(case.target, [[]], case.trie, case.layout, 3)
     with pytest.raises(ValueError):
-        beam_search(case.target, [[1]], case.trie, case.layout, 0)
+        batched_beam_search(case.target, [[1]], case.trie, case.layout, 0)
     with pytest.raises(ValueError):
-        beam_search(case.target, [[1]], case.trie, case.layout, 3, score_mode="bogus")
+        batched_beam_search(case.target, [[1]], case.trie, case.layout, 3, score_mode="bogus")
 
 
 def test_dead_nodes_are_the_subtrees_of_excluded_items_only(case):
     trie = case.trie
+    tables = TrieTables.of(trie)
     rows = torch.arange(0, trie.n_items, 3)
-    dead = trie.dead_nodes(rows)
-    assert torch.equal(dead[-1], rows)
+    dead = SeenItems(trie, [rows.tolist()]).dead_nodes()[0]
+    assert torch.equal(dead[tables.item_offset : tables.sink].nonzero()[:, 0], rows)
     excluded = set(rows.tolist())
     for d in range(1, case.layout.depth):
-        prefixes = trie.item_tokens[:, :d].unique(dim=0)
-        nodes = trie._node_ids(prefixes)
-        for prefix, node in zip(prefixes, nodes.tolist(), strict=True):
-            below = (trie.item_tokens[:, :d] == prefix).all(1).nonzero()[:, 0].tolist()
-            assert (node in dead[d - 1].tolist()) == (set(below) <= excluded)
+        for node in tables.item_nodes[:, d].unique().tolist():
+            below = (tables.item_nodes[:, d] == node).nonzero()[:, 0].tolist()
+            assert bool(dead[node]) == (set(below) <= excluded)
 
 
 def generate_items(case, prompts: list[list[int]], k: int, processor) -> torch.Tensor:
@@ -109,10 +115,10 @@ def generate_items(case, prompts: list[list[int]], k: int, processor) -> torch.T
 @pytest.mark.parametrize("k", [3, 10])
 def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, k: int):
     prompts = [u.prompt for u in case.eval_users[:4]]
-    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    plain = batched_beam_search(case.target, prompts, case.trie, case.layout, k)
     # exclude some of each user's would-be top items (and one user nothing)
     exclude = [row[::2].tolist() for row in plain.item_index[:3]] + [[]]
-    result = beam_search(case.target, prompts, case.trie, case.layout, k, exclude=exclude)
+    result = batched_beam_search(case.target, prompts, case.trie, case.layout, k, exclude=exclude)
     assert (result.item_index >= 0).all()  # K beams still give K unseen items
     for row, seen in zip(result.item_index.tolist(), exclude, strict=True):
         assert not set(row) & set(seen)
@@ -133,8 +139,10 @@ def test_excluded_items_are_masked_like_generate_with_a_masking_processor(case, 
 class BannedFirstCode:
     """An exclusion of another kind: no item whose first code is ``code``."""
 
-    def __init__(self, code: int) -> None:
+    def __init__(self, code: int, tables: TrieTables, n_users: int) -> None:
         self.code = code
+        self.dead = torch.zeros(n_users, tables.sink + 1, dtype=torch.bool)
+        self.dead[:, tables.child[0, code]] = True  # the engine's view: that level-1 node
 
     def applies(self, level: int, user: int) -> bool:
         return level == 0
@@ -144,16 +152,20 @@ class BannedFirstCode:
         blocked[:, self.code] = True
         return blocked
 
+    def dead_nodes(self) -> torch.Tensor:
+        return self.dead
+
 
 def test_composed_constraint_is_the_same_in_our_search_and_in_generate(case):
     k = 5
     prompts = [u.prompt for u in case.eval_users[:3]]
-    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    plain = batched_beam_search(case.target, prompts, case.trie, case.layout, k)
     banned = int(plain.tokens[0, 0, 0]) - case.layout.level_start(0)
     exclude = [row[:2].tolist() for row in plain.item_index]
     seen = ItemConstraint.for_users(case.trie, exclude, len(prompts))
-    constraint = seen.excluding(BannedFirstCode(banned))
-    result = BeamLoop(case.target, prompts, constraint, k).run()
+    tables = TrieTables.of(case.trie)
+    constraint = seen.excluding(BannedFirstCode(banned, tables, len(prompts)))
+    result = BatchedDecode(case.target, prompts, tables, k, constraint=constraint).run()
     assert (result.item_index >= 0).all()
     assert (result.tokens[:, :, 0] != case.layout.level_start(0) + banned).all()
     for row, rows_seen in zip(result.item_index.tolist(), exclude, strict=True):
@@ -167,4 +179,6 @@ def test_composed_constraint_is_the_same_in_our_search_and_in_generate(case):
 
 def test_exclude_must_match_the_users(case):
     with pytest.raises(ValueError, match="exclude"):
-        beam_search(case.target, [case.eval_users[0].prompt], case.trie, case.layout, 3, exclude=[])
+        batched_beam_search(
+            case.target, [case.eval_users[0].prompt], case.trie, case.layout, 3, exclude=[]
+        )

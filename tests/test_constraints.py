@@ -33,7 +33,7 @@ def test_without_exclusions_the_trie_alone_decides(trie):
     constraint = ItemConstraint.for_users(trie, None, 2)
     allowed, blocked = constraint.masks(prefixes([0], [3]), user=1)
     assert torch.equal(allowed, trie.allowed_mask(prefixes([0], [3])))
-    assert blocked is None and constraint.blocked(prefixes([0]), user=0) is None
+    assert blocked is None and constraint.dead_nodes() is None
 
 
 def test_seen_items_block_only_subtrees_with_nothing_else_below(trie):
@@ -58,6 +58,8 @@ def test_exclusions_compose_as_a_union(trie):
     # each blocks its own item; neither empties <a_0><b_1> alone (one SeenItems of both would)
     assert both.masks(prefixes([0]), user=0)[1] is None
     assert SeenItems(trie, [[0, 1]]).blocked(trie.child_nodes(prefixes([0])), 1, 0).any()
+    # the batched engine's [B, nodes] table is the union too
+    assert torch.equal(both.dead_nodes(), one.dead_nodes() | other.dead_nodes())
 
 
 def test_mask_blocked_sets_blocked_codes_to_minus_infinity():

@@ -8,9 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from genrec.app.bench.decode import BenchModels, load_models
-from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
 from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
-from genrec.online.decoding.speculative import speculative_beam_search
 from genrec.online.models.item_vectors import (
     FILE_NAME,
     attach_item_vectors,
@@ -61,10 +60,10 @@ def test_the_vector_goes_to_the_last_code_of_each_complete_item(case: BenchModel
 
 def test_prefix_caches_plus_suffix_give_the_same_top_k_as_full_prompts(case: BenchModels):
     prefixes, suffixes, full = split_prompts(case)
-    reference = beam_search(case.target, full, case.trie, case.layout, 5)
+    reference = batched_beam_search(case.target, full, case.trie, case.layout, 5)
     for prompts, tails in ((prefixes, suffixes), (full, None)):
         batch = PrefixBatch(compute_prefix_kv(case.target, prompts, "v1"), tails or [])
-        result = beam_search(case.target, batch, case.trie, case.layout, 5)
+        result = batched_beam_search(case.target, batch, case.trie, case.layout, 5)
         assert torch.equal(result.tokens, reference.tokens)
         torch.testing.assert_close(result.scores, reference.scores)
 
@@ -73,7 +72,7 @@ def test_beam_scores_equal_the_full_forward_of_prompt_plus_item(case: BenchModel
     """Independent of the decoder's cache: one plain forward over the prompt and the item's codes."""
     prefixes, suffixes, _ = split_prompts(case)
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
-    result = beam_search(case.target, batch, case.trie, case.layout, 3)
+    result = batched_beam_search(case.target, batch, case.trie, case.layout, 3)
     layout = case.layout
     for user in range(len(prefixes)):
         prompt = prefixes[user] + suffixes[user]
@@ -93,11 +92,11 @@ def test_beam_scores_equal_the_full_forward_of_prompt_plus_item(case: BenchModel
 
 def test_speculative_search_with_item_vectors_in_both_models_is_lossless(case: BenchModels):
     prefixes, suffixes, full = split_prompts(case)
-    reference = beam_search(case.target, full, case.trie, case.layout, 5)
+    reference = batched_beam_search(case.target, full, case.trie, case.layout, 5)
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     draft_batch = PrefixBatch(compute_prefix_kv(case.draft, prefixes, "d1"), suffixes)
     for prompts in ((batch, draft_batch), full):
-        result = speculative_beam_search(
+        result = batched_speculative_beam_search(
             case.target, case.draft, prompts, case.trie, case.layout, 5
         )
         assert torch.equal(result.tokens, reference.tokens)

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from genrec.app.bench.decode import BenchModels, load_models
-from genrec.online.decoding.beam_search import beam_search
+from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
 from genrec.online.decoding.prefix_kv import (
     ModelVersionMismatch,
     PrefixBatch,
@@ -17,7 +17,6 @@ from genrec.online.decoding.prefix_kv import (
     output_cache,
     save_prefix_kv,
 )
-from genrec.online.decoding.speculative import speculative_beam_search
 from tests.helpers import DECODING_PRESETS, split_prompts
 
 
@@ -47,24 +46,25 @@ def test_batched_prefix_caches_of_different_lengths_give_the_same_top_k(case: Be
     prefixes, suffixes, full = split_prompts(case)
     assert len({len(p) for p in prefixes}) > 1
     batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
-    reference = beam_search(case.target, full, case.trie, case.layout, k)
-    result = beam_search(case.target, batch, case.trie, case.layout, k)
+    reference = batched_beam_search(case.target, full, case.trie, case.layout, k)
+    result = batched_beam_search(case.target, batch, case.trie, case.layout, k)
     assert torch.equal(result.tokens, reference.tokens)
     torch.testing.assert_close(result.scores, reference.scores)
     assert (result.item_index >= 0).all()
     empty_suffix = PrefixBatch(compute_prefix_kv(case.target, full, "v1"))
     assert torch.equal(
-        beam_search(case.target, empty_suffix, case.trie, case.layout, k).tokens, reference.tokens
+        batched_beam_search(case.target, empty_suffix, case.trie, case.layout, k).tokens,
+        reference.tokens,
     )
 
 
 def test_speculative_from_prefix_caches_is_lossless(case: BenchModels):
     prefixes, suffixes, full = split_prompts(case)
-    reference = beam_search(case.target, full, case.trie, case.layout, 10)
+    reference = batched_beam_search(case.target, full, case.trie, case.layout, 10)
     target_batch = PrefixBatch(compute_prefix_kv(case.target, prefixes, "v1"), suffixes)
     draft_batch = PrefixBatch(compute_prefix_kv(case.draft, prefixes, "d1"), suffixes)
     for prompts in ((target_batch, draft_batch), target_batch):
-        result = speculative_beam_search(
+        result = batched_speculative_beam_search(
             case.target, case.draft, prompts, case.trie, case.layout, 10
         )
         assert torch.equal(result.tokens, reference.tokens)
@@ -96,9 +96,9 @@ def test_a_bos_only_prompt_has_an_empty_cache(case: BenchModels):
     assert prefix_kv.length == 0 and all(k.shape[1] == 0 for k in prefix_kv.keys)
     user = case.eval_users[0]
     batch = PrefixBatch([prefix_kv], [user.prompt[1:]])
-    reference = beam_search(case.target, [user.prompt], case.trie, case.layout, 5)
+    reference = batched_beam_search(case.target, [user.prompt], case.trie, case.layout, 5)
     assert torch.equal(
-        beam_search(case.target, batch, case.trie, case.layout, 5).tokens, reference.tokens
+        batched_beam_search(case.target, batch, case.trie, case.layout, 5).tokens, reference.tokens
     )
 
 

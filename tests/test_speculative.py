@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
-from genrec.online.decoding.beam_search import DecodeStats, beam_search
-from genrec.online.decoding.speculative import (
+from genrec.online.decoding.engine import (
     AcceptanceMonitor,
-    speculative_beam_search,
+    DecodeStats,
+    batched_beam_search,
+    batched_speculative_beam_search,
     strict_acceptance_per_level,
 )
 from tests.helpers import DECODING_PRESETS
@@ -26,24 +27,27 @@ def case(request) -> BenchModels:
 @pytest.mark.parametrize("k", BEAM_WIDTHS)
 def test_strict_equals_target_only_and_generate(case: BenchModels, k: int):
     prompts = [u.prompt for u in case.eval_users[:4]]
-    reference = beam_search(case.target, prompts, case.trie, case.layout, k)
-    assert torch.equal(
-        reference.tokens, hf_generate_items(case.target, prompts, case.trie, k).tokens
-    )
+    generated = hf_generate_items(case.target, prompts, case.trie, k)
+    reference = batched_beam_search(case.target, prompts, case.trie, case.layout, k)
+    assert torch.equal(reference.tokens, generated.tokens)
     for draft in (case.draft, case.target):
-        batched = speculative_beam_search(case.target, draft, prompts, case.trie, case.layout, k)
-        assert torch.equal(batched.tokens, reference.tokens)
+        batched = batched_speculative_beam_search(
+            case.target, draft, prompts, case.trie, case.layout, k
+        )
+        assert torch.equal(batched.tokens, generated.tokens)
         torch.testing.assert_close(batched.scores, reference.scores)
         for row, prompt in enumerate(prompts):
-            alone = speculative_beam_search(case.target, draft, [prompt], case.trie, case.layout, k)
-            assert torch.equal(alone.tokens[0], reference.tokens[row])
+            alone = batched_speculative_beam_search(
+                case.target, draft, [prompt], case.trie, case.layout, k
+            )
+            assert torch.equal(alone.tokens[0], generated.tokens[row])
 
 
 @pytest.mark.parametrize("k", [3, 10])
 def test_strict_full_vocabulary_scores_are_lossless_too(case: BenchModels, k: int):
     prompts = [u.prompt for u in case.eval_users[:4]]
-    reference = beam_search(case.target, prompts, case.trie, case.layout, k, score_mode="full")
-    result = speculative_beam_search(
+    reference = hf_generate_items(case.target, prompts, case.trie, k, renormalize=False)
+    result = batched_speculative_beam_search(
         case.target, case.draft, prompts, case.trie, case.layout, k, score_mode="full"
     )
     assert torch.equal(result.tokens, reference.tokens)
@@ -51,8 +55,12 @@ def test_strict_full_vocabulary_scores_are_lossless_too(case: BenchModels, k: in
 
 def test_acceptance_is_partial_for_another_draft_and_full_for_the_target_itself(case: BenchModels):
     prompts = [u.prompt for u in case.eval_users]
-    other = speculative_beam_search(case.target, case.draft, prompts, case.trie, case.layout, 10)
-    itself = speculative_beam_search(case.target, case.target, prompts, case.trie, case.layout, 10)
+    other = batched_speculative_beam_search(
+        case.target, case.draft, prompts, case.trie, case.layout, 10
+    )
+    itself = batched_speculative_beam_search(
+        case.target, case.target, prompts, case.trie, case.layout, 10
+    )
     for stats in itself.stats:
         assert stats.accepted_steps == stats.drafted_steps == case.layout.depth - 1
         assert stats.target_calls == 1 and stats.draft_calls == case.layout.depth - 1
@@ -70,7 +78,7 @@ def test_relaxed_gives_valid_distinct_items_and_is_seeded(case: BenchModels, k: 
 
     def run(seed: int):
         generator = torch.Generator().manual_seed(seed)
-        return speculative_beam_search(
+        return batched_speculative_beam_search(
             case.target, case.draft, prompts, case.trie, case.layout, k, mode="relaxed",
             generator=generator,
         )  # fmt: skip
@@ -82,7 +90,7 @@ def test_relaxed_gives_valid_distinct_items_and_is_seeded(case: BenchModels, k: 
         assert len(set(row.tolist())) == k
     assert (first.scores[:, :-1] >= first.scores[:, 1:]).all()
     # with the target as its own draft every drafted step is accepted
-    itself = speculative_beam_search(
+    itself = batched_speculative_beam_search(
         case.target, case.target, prompts, case.trie, case.layout, k, mode="relaxed"
     )
     assert all(s.target_calls == 1 for s in itself.stats)
@@ -104,10 +112,10 @@ def test_fallback_result_is_target_only(case: BenchModels):
     monitor = AcceptanceMonitor(window=4, threshold=1.1, probe_every=1000)
     prompts = [u.prompt for u in case.eval_users[:2]]
     for _ in range(4):
-        speculative_beam_search(
+        batched_speculative_beam_search(
             case.target, case.draft, prompts, case.trie, case.layout, 5, monitor=monitor
         )
-    result = speculative_beam_search(
+    result = batched_speculative_beam_search(
         case.target, case.draft, prompts, case.trie, case.layout, 5, monitor=monitor
     )
     assert not any(s.speculative for s in result.stats)
@@ -117,11 +125,11 @@ def test_fallback_result_is_target_only(case: BenchModels):
 def test_bad_arguments_are_refused(case: BenchModels):
     prompt = [case.eval_users[0].prompt]
     with pytest.raises(ValueError):
-        speculative_beam_search(
+        batched_speculative_beam_search(
             case.target, case.draft, prompt, case.trie, case.layout, 10, n_draft=5
         )
     with pytest.raises(ValueError):
-        speculative_beam_search(
+        batched_speculative_beam_search(
             case.target, case.draft, prompt, case.trie, case.layout, 3, mode="x"
         )
 
@@ -129,14 +137,14 @@ def test_bad_arguments_are_refused(case: BenchModels):
 @pytest.mark.parametrize("k", [3, 10])
 def test_strict_with_excluded_items_equals_target_only(case: BenchModels, k: int):
     prompts = [u.prompt for u in case.eval_users[:4]]
-    plain = beam_search(case.target, prompts, case.trie, case.layout, k)
+    plain = batched_beam_search(case.target, prompts, case.trie, case.layout, k)
     exclude = [row[:2].tolist() + row[-1:].tolist() for row in plain.item_index]
-    reference = beam_search(case.target, prompts, case.trie, case.layout, k, exclude=exclude)
-    result = speculative_beam_search(
+    reference = hf_generate_items(case.target, prompts, case.trie, k, exclude=exclude)
+    result = batched_speculative_beam_search(
         case.target, case.draft, prompts, case.trie, case.layout, k, exclude=exclude
     )
     assert torch.equal(result.tokens, reference.tokens)
-    relaxed = speculative_beam_search(
+    relaxed = batched_speculative_beam_search(
         case.target, case.draft, prompts, case.trie, case.layout, k, mode="relaxed",
         exclude=exclude,
     )  # fmt: skip
@@ -146,7 +154,7 @@ def test_strict_with_excluded_items_equals_target_only(case: BenchModels, k: int
 
 def test_strict_acceptance_per_level(case: BenchModels):
     prompts = [u.prompt for u in case.eval_users]
-    reference = beam_search(case.target, prompts, case.trie, case.layout, 5)
+    reference = hf_generate_items(case.target, prompts, case.trie, 5)
     itself, accepted = strict_acceptance_per_level(
         case.target, case.target, prompts, case.trie, case.layout, 5, n_draft=5
     )

@@ -6,7 +6,10 @@ full prompt; target-only from the prefix cache; speculative strict and relaxed
 (both from the prefix cache). It prints median ms per request, target/draft
 calls per request, acceptance, HR@K on held-out items, and whether strict
 equalled target-only everywhere; writes a JSON summary and a PNG of speed-up vs
-K.
+K. Every mode but ``hf_generate`` runs on the batched engine
+(``genrec.online.decoding.engine``); ``null_model_overhead`` adds what one
+target-only decode costs with a null model (1 layer, width 8) at batch 64: the
+engine's own work.
 
 Models come from ``load_models(preset)``: ``random`` builds a random target
 (4 layers x 256) and draft (1 layer x 128) over a synthetic catalog (the CLI
@@ -49,6 +52,8 @@ from genrec.online.decoding.constraints import TrieLogitsProcessor
 from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
 from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument, compute_prefix_kv
 from genrec.online.decoding.trie import ItemTrie
+from genrec.online.models.item_vectors import attach_item_vectors
+from genrec.online.models.presets import PRESETS, build_draft, build_target
 from genrec.online.models.store import NoActiveModels, load_model_version
 from genrec.schemas.token_layout import TokenLayout
 
@@ -218,6 +223,67 @@ def random_prompts(item_tokens: torch.Tensor, lengths, seed: int, bos: int = 1) 
     return [[bos] + item_tokens[r].flatten().tolist() for r in rows]
 
 
+ML100K_CODES = (256, 256, 256, 4)
+ML100K_ITEMS = 1682
+PROMPT_ITEMS, SUFFIX_ITEMS = 42, 2  # 1 + 42 * 4 = 169 prompt tokens, 8 of them the suffix
+
+
+def bench_models(shape: str = "small", n_users: int = 64, seed: int = 0) -> BenchModels:
+    """Random models of preset ``shape`` (``"small"``; ``"null"``: 1 layer x 8 for target and
+    draft) over an ML-100K-shaped random catalog, and ``n_users`` users."""
+    layout, items = random_catalog(ML100K_CODES, ML100K_ITEMS, seed=seed)
+    trie = ItemTrie(items, layout)
+    torch.manual_seed(seed)
+    if shape == "null":
+        target = random_llama(layout, 1, 8, seed=seed + 1, heads=2)
+        draft = random_llama(layout, 1, 8, seed=seed + 2, heads=2)
+    else:
+        preset = PRESETS[shape]
+        target, draft = build_target(preset, layout).eval(), build_draft(preset, layout).eval()
+        if preset.item_vector_dim:
+            attach_item_vectors(target, trie, torch.randn(trie.n_items, preset.item_vector_dim))
+    prompts = random_prompts(
+        items, [PROMPT_ITEMS] * n_users, seed=seed + 3, bos=layout.bos_token_id
+    )
+    users = [EvalUser(p, held_out=0, suffix_items=SUFFIX_ITEMS) for p in prompts]
+    return BenchModels(target, draft, layout, trie, users, model_version=f"random-{shape}")
+
+
+def prefix_batches(models: BenchModels, users: list[EvalUser], batches) -> list[tuple]:
+    """Per batch of user rows: (target PrefixBatch, draft PrefixBatch) of their cached prefixes
+    and suffixes (computed offline in production: not timed)."""
+    depth = models.layout.depth
+    prefixes = [u.prompt[: len(u.prompt) - u.suffix_items * depth] for u in users]
+    suffixes = [u.prompt[len(p) :] for u, p in zip(users, prefixes, strict=True)]
+    target_kv = compute_prefix_kv(models.target, prefixes, "bench")
+    draft_kv = compute_prefix_kv(models.draft, prefixes, "bench-draft")
+    return [
+        (
+            PrefixBatch([target_kv[i] for i in rows], [suffixes[i] for i in rows]),
+            PrefixBatch([draft_kv[i] for i in rows], [suffixes[i] for i in rows]),
+        )
+        for rows in batches
+    ]
+
+
+@torch.no_grad()
+def null_model_overhead(batch_size: int = 64, k: int = 10, calls: int = 20) -> dict:
+    """ms (process CPU time, median) per target-only decode call and per request with a null
+    model (1 layer, width 8) over the ML-100K-shaped catalog: the engine's own work."""
+    models = bench_models("null", n_users=batch_size)
+    ((target_batch, _),) = prefix_batches(models, models.eval_users, [range(batch_size)])
+    times = []
+    for _ in range(calls + 1):  # the first is a warm-up
+        started = time.process_time()
+        batched_beam_search(models.target, target_batch, models.trie, models.layout, k)
+        times.append(1000 * (time.process_time() - started))
+    ms_per_call = statistics.median(times[1:])
+    return {
+        "batch_size": batch_size, "k": k,
+        "ms_per_call": ms_per_call, "ms_per_request": ms_per_call / batch_size,
+    }  # fmt: skip
+
+
 MODES = ("hf_generate", "target_full", "target_prefix", "strict", "relaxed")
 
 
@@ -286,6 +352,7 @@ def run_decode_bench(
         "rows": rows,
         "speedup": _headline(rows, batch_sizes),
         "verification": measure_verification(models, users, 10, n_draft, decode.gamma, clock=clock),
+        "null_model": null_model_overhead(k=max(ks)),
     }
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -616,6 +683,11 @@ def print_report(report: dict) -> None:
     print(f"users whose top-K equals HF generate's (float32, worst config): {hf_equal:.2f}")
     print("speed-up:", json.dumps({k: round(v, 2) for k, v in report["speedup"].items()}))
     print("verification call:", json.dumps(report["verification"]))
+    if "null_model" in report:
+        null = report["null_model"]
+        print(f"null model (1 layer x 8), target-only, batch {null['batch_size']}, K={null['k']}: "
+              f"{null['ms_per_call']:.1f} ms per decode call, "
+              f"{null['ms_per_request']:.2f} ms per request")  # fmt: skip
     for key in ("json", "png"):
         if key in report:
             print(f"{key}: {report[key]}")

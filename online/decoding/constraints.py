@@ -10,10 +10,12 @@ beam's prefix, in two stages, like a chain of transformers logits processors:
    score it has without them, and a beam never spends itself on a dead subtree,
    so K beams still give K items.
 
-``ItemConstraint`` composes a trie with any number of exclusions. The beam loop
-(``beam_search``, ``speculative_beam_search``) and ``TrieLogitsProcessor``
-(transformers' ``generate``, the reference our search is checked against) both
-read their masks from it, so the two paths cannot drift apart.
+``ItemConstraint`` composes a trie with any number of exclusions. The batched
+engine (``engine.py``: one [B, nodes] mask, ``dead_nodes``) and
+``TrieLogitsProcessor`` (transformers' ``generate``, the reference our search is
+checked against: per-level masks, ``masks``) both read it, and ``SeenItems``
+answers both from one table (``TrieTables.dead_nodes``), so the two paths
+cannot drift apart.
 
 Example::
 
@@ -37,6 +39,7 @@ from typing import Protocol
 import torch
 
 from genrec.online.decoding.trie import ItemTrie
+from genrec.online.decoding.trie_tables import TrieTables
 
 
 class Exclusion(Protocol):
@@ -50,30 +53,43 @@ class Exclusion(Protocol):
         """BoolTensor like ``children`` (``ItemTrie.child_nodes`` of length-``level`` prefixes)."""
         ...
 
+    def dead_nodes(self) -> torch.Tensor | None:
+        """BoolTensor[B, nodes] over ``TrieTables``' global node ids: the nodes user b must not
+        reach (None: nothing excluded), what ``blocked`` answers for one level."""
+        ...
+
 
 class SeenItems:
     """Per user, the catalog rows it must not get, as the trie nodes with only those items below.
 
-    ``exclude[b]``: catalog rows of user ``b`` (empty: nothing excluded).
+    ``exclude[b]``: catalog rows of user ``b`` (empty: nothing excluded). One
+    [B, nodes] table (``TrieTables.dead_nodes``) serves the batched engine whole
+    and ``generate``'s processor a level at a time.
     """
 
     def __init__(self, trie: ItemTrie, exclude: Sequence[Sequence[int]]) -> None:
-        self.dead: list[list[torch.Tensor] | None] = [
-            trie.dead_nodes(torch.as_tensor(list(rows))) if len(rows) else None for rows in exclude
-        ]
+        tables = TrieTables.of(trie)
+        self.n_users = len(exclude)
+        self.dead = tables.dead_nodes(exclude)
+        # global ids of level d's nodes: first[d] .. first[d + 1] (level depth: the items)
+        self.first = [*tables.offsets, tables.sink]
 
     def __len__(self) -> int:
-        return len(self.dead)
+        return self.n_users
 
     def applies(self, level: int, user: int) -> bool:
-        dead = self.dead[user]
-        return dead is not None and len(dead[level]) > 0
+        if self.dead is None:
+            return False
+        return bool(self.dead[user, self.first[level + 1] : self.first[level + 2]].any())
 
     def blocked(self, children: torch.Tensor, level: int, user: int) -> torch.Tensor:
-        dead = self.dead[user]
-        if dead is None:
+        if self.dead is None:
             return torch.zeros_like(children, dtype=torch.bool)
-        return torch.isin(children, dead[level])
+        nodes = self.first[level + 1] + children.clamp(min=0)
+        return self.dead[user][nodes] & (children >= 0)
+
+    def dead_nodes(self) -> torch.Tensor | None:
+        return self.dead
 
 
 @dataclass(frozen=True)
@@ -116,12 +132,16 @@ class ItemConstraint:
             blocked = blocked | exclusion.blocked(children, level, user)
         return children >= 0, blocked  # a child node exists exactly where the trie allows
 
-    def blocked(self, prefixes: torch.Tensor, user: int) -> torch.Tensor | None:
-        """The ``blocked`` half of ``masks``, without building ``allowed``."""
-        level = prefixes.shape[1]
-        if not any(e.applies(level, user) for e in self.exclusions):
+    def dead_nodes(self) -> torch.Tensor | None:
+        """BoolTensor[B, nodes]: the nodes each user must not reach, of every exclusion (None:
+        nothing excluded); what the batched engine masks after normalizing."""
+        masks = [m for m in (e.dead_nodes() for e in self.exclusions) if m is not None]
+        if not masks:
             return None
-        return self.masks(prefixes, user)[1]
+        dead = masks[0]
+        for mask in masks[1:]:
+            dead = dead | mask
+        return dead
 
 
 def mask_blocked(scores: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
@@ -134,8 +154,8 @@ class TrieLogitsProcessor:
 
     ``prompt_width`` is the (left-padded) prompt length; ``renormalize=True``
     gives ``score_mode="allowed"``, False gives ``"full"``. ``exclude[b]``:
-    catalog rows prompt ``b`` must not get, masked after normalizing as
-    ``beam_search`` does; rows are grouped ``num_beams`` per prompt. Used to
+    catalog rows prompt ``b`` must not get, masked after normalizing as the
+    batched engine does; rows are grouped ``num_beams`` per prompt. Used to
     check our decoder against ``generate`` and for offline runs that call
     ``generate``.
     """

@@ -54,21 +54,20 @@ Example::
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
-from genrec.online.decoding.beam_search import DecodeResult, DecodeStats, check_inputs
+from genrec.online.decoding.constraints import ItemConstraint
 from genrec.online.decoding.prefix_kv import PrefixBatch
 from genrec.online.decoding.slot_cache import Prompts, SlotModel
-from genrec.online.decoding.speculative import _split_prompts as split_prompts
 from genrec.online.decoding.trie_tables import TrieTables
 
 if TYPE_CHECKING:
-    from genrec.online.decoding.speculative import AcceptanceMonitor
     from genrec.online.decoding.trie import ItemTrie
     from genrec.schemas.token_layout import TokenLayout
 
@@ -79,6 +78,90 @@ NEG_INF = -math.inf  # a score of -inf: no beam (scores are finite or -inf, neve
 STAT_NAMES = (
     "target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps", "forced_steps"
 )  # fmt: skip
+
+
+@dataclass
+class DecodeStats:
+    """Cost of one request: model calls it took part in, and draft acceptance."""
+
+    target_calls: int = 0
+    draft_calls: int = 0
+    rounds: int = 0
+    drafted_steps: int = 0
+    accepted_steps: int = 0
+    forced_steps: int = 0
+    speculative: bool = False
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / drafted steps (nan when nothing was drafted)."""
+        return self.accepted_steps / self.drafted_steps if self.drafted_steps else math.nan
+
+
+@dataclass
+class DecodeResult:
+    """Top-K items per user, best first. Missing beams (tiny catalogs) have item -1, score -inf."""
+
+    tokens: torch.Tensor  # LongTensor[B, K, depth]
+    item_index: torch.Tensor  # LongTensor[B, K]
+    scores: torch.Tensor  # Tensor[B, K]
+    stats: list[DecodeStats] = field(default_factory=list)
+
+
+class AcceptanceMonitor:
+    """Falls back to target-only decoding when draft acceptance over recent requests is too
+    low (a draft no longer aligned with the target), still probing every ``probe_every``th
+    call so that it can switch back."""
+
+    def __init__(self, window: int = 200, threshold: float = 0.2, probe_every: int = 20) -> None:
+        self.window: deque[tuple[int, int]] = deque(maxlen=window)
+        self.threshold = threshold
+        self.probe_every = probe_every
+        self.requests = 0
+
+    @classmethod
+    def from_settings(cls, decode) -> AcceptanceMonitor:
+        """From ``get_settings().decode`` (``DecodeSettings``)."""
+        return cls(decode.fallback_window, decode.fallback_threshold, decode.fallback_probe_every)
+
+    def record(self, stats: DecodeStats) -> None:
+        if stats.speculative and stats.drafted_steps:
+            self.window.append((stats.accepted_steps, stats.drafted_steps))
+
+    @property
+    def acceptance(self) -> float:
+        drafted = sum(d for _, d in self.window)
+        return sum(a for a, _ in self.window) / drafted if drafted else 1.0
+
+    def use_speculative(self) -> bool:
+        """Speculate unless the window is full enough and below threshold (then probe every Nth call)."""
+        self.requests += 1
+        if len(self.window) < max(1, self.window.maxlen // 4) or self.acceptance >= self.threshold:
+            return True
+        return self.requests % self.probe_every == 0
+
+
+def check_inputs(model, prompts: Prompts, layout: TokenLayout, trie: ItemTrie, k: int) -> ItemTrie:
+    """Refuse bad arguments; returns the trie on the model's device."""
+    if k < 1:
+        raise ValueError(f"beam width k must be >= 1, got {k}")
+    if trie.layout != layout:
+        raise ValueError("the trie was built for another token layout")
+    if not isinstance(prompts, PrefixBatch) and not isinstance(prompts, list):
+        raise TypeError("prompts must be a list of token-id lists or a PrefixBatch")
+    return trie.to(next(model.parameters()).device)
+
+
+def split_prompts(prompts) -> tuple[Prompts, Prompts]:
+    """(target, draft) prompts; a lone PrefixBatch is the target's, the draft prefills in full."""
+    if isinstance(prompts, tuple):
+        return prompts
+    if isinstance(prompts, PrefixBatch):
+        full = [
+            p.prompt_ids + list(s) for p, s in zip(prompts.prefixes, prompts.suffixes, strict=True)
+        ]
+        return prompts, full
+    return prompts, prompts
 
 
 @dataclass
@@ -154,7 +237,7 @@ class ItemHead:
     ) -> torch.Tensor:
         """[B, W, C]: log-prob of each code after each beam; -inf where invalid or excluded.
 
-        Exclusions (``dead``: ``TrieTables.dead_nodes``) are masked AFTER normalizing,
+        Exclusions (``dead``: ``ItemConstraint.dead_nodes``) are masked AFTER normalizing,
         so every other item keeps the score it has without them.
         """
         tables = self.tables
@@ -294,6 +377,7 @@ class BatchedDecode:
         mode: Mode = "target",
         generator: torch.Generator | None = None,
         stop_early: bool | None = None,
+        constraint: ItemConstraint | None = None,
     ) -> None:
         if mode not in ("target", "strict", "relaxed", "probe"):
             raise ValueError(f"mode must be 'strict' or 'relaxed', got {mode!r}")
@@ -312,9 +396,10 @@ class BatchedDecode:
         self.n_users = self.target.n_users
         self.device = self.target.device
         self.target_head = ItemHead(target, tables, score_mode)
-        if exclude is not None and len(exclude) != self.n_users:
-            raise ValueError(f"exclude has {len(exclude)} entries for {self.n_users} users")
-        self.dead = tables.dead_nodes(exclude)
+        # the rule transformers' generate is checked with (TrieLogitsProcessor); ``constraint``
+        # (instead of ``exclude``): any composed one
+        constraint = constraint or ItemConstraint.for_users(tables.trie, exclude, self.n_users)
+        self.dead = constraint.dead_nodes()
         self.draft = self.draft_head = None
         if self.gamma:
             redrafted = self.depth * sum(self.widths[1:-1])

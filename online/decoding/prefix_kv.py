@@ -18,7 +18,7 @@ Example::
     prefix = compute_prefix_kv(target, [[1, 7, 260]], model_version="v3")[0]
     save_prefix_kv("u42.safetensors", prefix)
     batch = PrefixBatch([load_prefix_kv("u42.safetensors", "v3")], suffixes=[[9, 270]])
-    result = beam_search(target, batch, trie, layout, k=10)
+    result = batched_beam_search(target, batch, trie, layout, k=10)  # engine.py
 """
 
 from __future__ import annotations

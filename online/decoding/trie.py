@@ -12,9 +12,8 @@ of length ``d`` means token ``layout.level_start(d) + c``.
 ``c`` (-1 if no item has that prefix); at the last level it is the item's row
 in ``item_tokens``. Node ids are the ranks of the sorted prefix keys, so node 0
 of level 0 is the root. ``child_nodes`` looks them up for whole prefixes (e.g.
-the items one step away). ``dead_nodes(rows)`` finds the nodes all of whose
-items are in ``rows``: masking those at every level keeps a beam search from
-spending beams on items a user has already seen.
+the items one step away). The batched engine reads the trie as flat global
+tables (``trie_tables.TrieTables``), where seen items become dead nodes.
 
 Example::
 
@@ -169,19 +168,6 @@ class ItemTrie:
         d = prefixes.shape[1]
         nodes = self._node_ids(prefixes).clamp(min=0)
         return self.first_child[d][nodes].long() + self.layout.level_start(d)
-
-    def dead_nodes(self, item_rows: torch.Tensor) -> list[torch.Tensor]:
-        """Per level d: the nodes ``child_nodes`` of a length-d prefix may name whose items all
-        lie in ``item_rows`` (at the last level: the item rows themselves)."""
-        rows = torch.as_tensor(item_rows, dtype=torch.long, device=self.device).unique()
-        if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.n_items):
-            raise ValueError(f"item rows must lie in [0, {self.n_items})")
-        tokens = self.item_tokens[rows]
-        dead = []
-        for d in range(1, self.layout.depth):
-            nodes, counts = self._node_ids(tokens[:, :d]).unique(return_counts=True)
-            dead.append(nodes[counts == self.items_under[d][nodes]])
-        return dead + [rows]
 
     def item_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """LongTensor[B]: row of each complete item in ``item_tokens``, -1 if not an item."""

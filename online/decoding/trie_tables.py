@@ -18,8 +18,9 @@ children that missing beams and finished users point at. Per global node:
 - ``item_below[node]``: the catalog row of the node's only item (-1 if several).
 
 ``dead_nodes(exclude)`` turns per-user catalog rows to exclude into one
-BoolTensor[B, n_nodes] of the nodes all of whose items a user excludes (the
-batched counterpart of ``ItemTrie.dead_nodes``).
+BoolTensor[B, n_nodes] of the nodes all of whose items a user excludes: the one
+seen-item table (``constraints.SeenItems`` serves it to the engine and to
+``generate``'s logits processor).
 
 Example::
 
