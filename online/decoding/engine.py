@@ -1,9 +1,11 @@
-"""The batched decoding engine: constrained beam search, target-only or speculative (online step).
+"""The decoding engine: constrained beam search, target-only or speculative (online decoding step).
 
-One engine runs target-only, strict and relaxed speculative beam search
-(``batched_beam_search``, ``batched_speculative_beam_search``: the signatures
-and the ``DecodeResult`` of ``beam_search`` and ``speculative_beam_search``)
-with a fixed number of tensor operations per step whatever the batch size:
+One round loop (``BatchedDecode``) runs target-only search
+(``batched_beam_search``), strict and relaxed speculative search
+(``batched_speculative_beam_search``) and the strict-acceptance diagnostic
+(``strict_acceptance_per_level``, its ``probe`` mode) for serving, evaluation,
+training and the benches, with a fixed number of tensor operations per step
+whatever the batch size:
 
 - beams are flat tensors (``BeamBatch``: [B, W] scores and trie nodes,
   [B, W, depth] tokens and, per model, the cache slot of every token);
@@ -36,10 +38,21 @@ A round, for every user still decoding (at level t, with K beams):
    sampled without replacement from max(p - q, 0) (exponential races) and the round
    ends. Seeded; not lossless. Target-only rounds are the bonus level alone.
 
-Levels with a single valid child for every beam are filled without a call by
-``beam_search``; here they take one (their log-prob is 0, so the beams are the
-same), except where every beam of a user has a single item left: the rest of
-its IDs is forced, so the user is done (``single_items``; ``"allowed"`` scores).
+The probe (``strict_acceptance_per_level``) drafts one level every round from
+the target's K beams, feeds nothing drafted to the target, and at step 3 only
+records whether strict would have taken D_1; the round ends with T_1.
+
+Levels with a single valid child for every beam take a call (their log-prob is
+0 under ``"allowed"`` scores), except where every beam of a user has a single
+item left: the rest of its IDs is forced, so the user is done (``single_items``).
+
+Scores (``score_mode``): ``"allowed"`` (default) is the log-softmax over the
+trie-allowed codes at each step (the model's distribution restricted to valid
+items; only the level's rows of the output projection are computed);
+``"full"`` is the log-softmax over the whole vocabulary, then masked. Each
+equals transformers' ``generate(num_beams=K)`` with ``TrieLogitsProcessor``
+(renormalizing, or not), item for item; seen items (``exclude``) are masked
+after normalizing by the same ``ItemConstraint`` (constraints.py).
 
 Measured (2-core CPU, one torch thread, random models of the ``small`` preset's
 shape over an ML-100K-shaped catalog, 169-token prompts from cached prefixes,
@@ -503,7 +516,7 @@ class BatchedDecode:
     def single_items(self, beams: BeamBatch) -> tuple[BeamBatch, torch.Tensor]:
         """(the beams completed to the one item below each, and per user: does every beam have
         one item below). The rest of such an ID is forced: log-prob 0 under ``"allowed"``
-        scores (``beam_search`` fills those levels without a call too); never under ``"full"``."""
+        scores; never under ``"full"``."""
         tables = self.tables
         items = tables.item_below[beams.nodes]
         valid = beams.scores > NEG_INF
@@ -754,7 +767,7 @@ def batched_beam_search(
     exclude: Sequence[Sequence[int]] | None = None,
     stop_early: bool | None = None,
 ) -> DecodeResult:
-    """Top-``k`` valid items per user by beam search with ``model`` alone (as ``beam_search``).
+    """Top-``k`` valid items per user by beam search with ``model`` alone.
 
     ``prompts``: token-id lists (ragged is fine) or a ``PrefixBatch``; ``exclude[b]``:
     catalog rows user ``b`` must not get. One model call per level; ``stop_early``
@@ -784,7 +797,7 @@ def batched_speculative_beam_search(
     monitor: AcceptanceMonitor | None = None,
     exclude: Sequence[Sequence[int]] | None = None,
 ) -> DecodeResult:
-    """Top-``k`` valid items per user, the draft proposing (as ``speculative_beam_search``).
+    """Top-``k`` valid items per user, the draft proposing and the target verifying.
 
     ``prompts``: token-id lists; or a target ``PrefixBatch`` (the draft then
     prefills the full prompts); or a (target, draft) pair of those. ``generator``
