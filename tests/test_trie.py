@@ -34,9 +34,6 @@ def test_allowed_mask_is_exact_for_every_prefix(catalog):
             got = {layout.level_start(d) + c for c in mask[row].nonzero()[:, 0].tolist()}
             assert got == expected, (prefix, got, expected)
             assert int(counts[row]) == len(expected)
-            assert bool(trie.single_child(tensor[row : row + 1])) == (len(expected) == 1)
-            if len(expected) == 1:
-                assert int(trie.only_child(tensor[row : row + 1])) == next(iter(expected))
 
 
 def test_item_index_finds_items_and_rejects_the_rest(catalog):

@@ -111,7 +111,6 @@ class ItemTrie:
             ((table < 0) | (self.items_under[d + 1][table.clamp(min=0)] == 1)).all(1)
             for d, table in enumerate(self.children)
         ]
-        self.first_child = [mask.to(torch.int8).argmax(1) for mask in self.allowed]
 
     def _node_ids(self, prefixes: torch.Tensor) -> torch.Tensor:
         """Trie node of each prefix (LongTensor[B]); -1 where the prefix is not a valid one."""
@@ -154,21 +153,6 @@ class ItemTrie:
         counts = self.child_counts[prefixes.shape[1]][nodes.clamp(min=0)]
         return torch.where(nodes >= 0, counts, torch.zeros_like(counts))
 
-    def single_child(self, prefixes: torch.Tensor) -> torch.Tensor:
-        """BoolTensor[B]: the prefix has exactly one valid continuation."""
-        return self.child_count(prefixes) == 1
-
-    def settles_in_one(self, prefixes: torch.Tensor) -> torch.Tensor:
-        """BoolTensor[B]: one more token decides the item (every child leads to a single item)."""
-        nodes = self._node_ids(prefixes)
-        return self.settles[prefixes.shape[1]][nodes.clamp(min=0)] & (nodes >= 0)
-
-    def only_child(self, prefixes: torch.Tensor) -> torch.Tensor:
-        """LongTensor[B]: the token id of the first valid continuation (the only one when single)."""
-        d = prefixes.shape[1]
-        nodes = self._node_ids(prefixes).clamp(min=0)
-        return self.first_child[d][nodes].long() + self.layout.level_start(d)
-
     def item_index(self, tokens: torch.Tensor) -> torch.Tensor:
         """LongTensor[B]: row of each complete item in ``item_tokens``, -1 if not an item."""
         if tokens.shape[-1] != self.layout.depth:
@@ -189,6 +173,6 @@ class ItemTrie:
         for name in ("item_tokens", "item_of_leaf"):
             setattr(clone, name, getattr(self, name).to(device))
         names = ("keys_by_level", "allowed", "children", "items_under", "child_counts")
-        for name in (*names, "first_child", "settles"):
+        for name in (*names, "settles"):
             setattr(clone, name, [t.to(device) for t in getattr(self, name)])
         return clone
