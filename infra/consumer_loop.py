@@ -8,11 +8,15 @@ Both services run the same loop around their own step:
   fix are raised;
 * gather a batch: the records of one poll, or, with a batch window, of every
   poll until the window closes after the batch's first records (or the step
-  says the batch is full, or a stop is requested);
+  says the batch is full, or a stop is requested). A step with work in flight
+  (the online worker's engine) decides when its batch is handed over
+  (``hand_over_in_s``: at once while its engine is idle, later while it is
+  busy) and how long a poll may wait (``poll_timeout_s``), and is called after
+  every poll (``after_poll``) to commit what finished meanwhile;
 * hand the batch to the step (``BatchHandler.handle_batch``), which does its
-  work and decides what to commit: nothing is committed here;
+  work, or starts it, and decides what to commit: nothing is committed here;
 * stop: ``request_stop`` (signal-safe) lets the batch in hand finish, then the
-  loop returns;
+  step drains the work in flight (``drain``) and the loop returns;
 * idle exit: ``exit_when_idle_s`` without a batch ends the run, but a broker
   outage or a group still being joined is not idleness;
 * health: ``/healthz`` is red while stopping, when the loop has not turned, or
@@ -132,6 +136,26 @@ class BatchHandler(ABC):
         """Whether the open batch should be handed over before its window closes."""
         return False
 
+    def hand_over_in_s(self, window_left_s: float) -> float:
+        """Seconds the open batch should still gather (0 or less: hand it over now).
+
+        ``window_left_s`` is what is left of the batch window; a step whose work is
+        still busy with an earlier batch may keep gathering longer, or stop sooner.
+        """
+        return window_left_s
+
+    def poll_timeout_s(self, timeout_s: float) -> float:
+        """The next poll's timeout, given the loop's own (the idle poll, or the wait above).
+
+        A step with work in flight shortens it to look back sooner: a poll cannot be
+        woken before its timeout when no record comes.
+        """
+        return timeout_s
+
+    def after_poll(self) -> None:
+        """After every poll, with records or not: e.g. commit what finished meanwhile."""
+        return None
+
     @abstractmethod
     def handle_batch(self) -> None:
         """Do the step's work on the open batch, commit what is safe, and start a new batch."""
@@ -139,6 +163,10 @@ class BatchHandler(ABC):
     def settle(self) -> None:
         """A turn without a batch, and the end of a run: finish and commit work in flight."""
         return None
+
+    def drain(self) -> None:
+        """The end of a run (stop, idle, ``until``): finish and commit everything in hand."""
+        self.settle()
 
     def log_progress(self) -> None:
         """The periodic progress line, every ``progress_every_s`` of ``ConsumerLoop.run``."""
@@ -232,7 +260,7 @@ class ConsumerLoop:
                         "%s: no new events for %g s, exiting", self.component, exit_when_idle_s
                     )
                     break
-            self.handler.settle()
+            self.handler.drain()
         finally:
             self._close()
 
@@ -252,27 +280,34 @@ class ConsumerLoop:
         return not stopping and not stuck and not self.handler.failing(), details
 
     def _gather(self) -> bool:
-        """Poll until the batch window closes after its first records; False if none came."""
-        deadline: float | None = None
+        """Poll until the step takes the open batch (by default: its window closed); False
+        if no record came."""
+        opened_at: float | None = None
         while True:
-            if deadline is None:
-                timeout_ms = self.idle_poll_ms
+            if opened_at is None:
+                wait_s = self.idle_poll_ms / 1000.0
             else:
-                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000))
+                wait_s = max(0.0, self._hand_over_in_s(opened_at))
+            timeout_ms = max(0, int(self.handler.poll_timeout_s(wait_s) * 1000))
             polled = self.outage.poll(self.consumer, timeout_ms=timeout_ms, **self._poll_kwargs)
             received_at = time.monotonic()
             if polled:
                 self.handler.take_records(polled, received_at)
+            self.handler.after_poll()
             if not self.handler.has_batch():
                 return False
-            if deadline is None:
-                deadline = received_at + self.batch_window_s
+            if opened_at is None:
+                opened_at = received_at
             if (
-                time.monotonic() >= deadline
+                self._hand_over_in_s(opened_at) <= 0
                 or self.handler.batch_full()
                 or self.stop_requested.is_set()
             ):
                 return True
+
+    def _hand_over_in_s(self, opened_at: float) -> float:
+        window_left_s = opened_at + self.batch_window_s - time.monotonic()
+        return self.handler.hand_over_in_s(window_left_s)
 
     def _idle_long_enough(self, exit_when_idle_s: float | None, started: float, now: float) -> bool:
         if exit_when_idle_s is None:

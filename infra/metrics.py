@@ -71,13 +71,17 @@ REQUEST_LATENCY = Histogram(
 STAGE_LATENCY = Histogram(
     "genrec_stage_latency_seconds",
     "Time per micro-batch spent in each serving stage.",
-    ["stage"],  # history|prefix_kv|generative|branches|publish
-    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
+    # gather (first event to hand-over), history, prefix_kv, branches (the consumer's
+    # thread); queue (prepared, waiting for the decode thread), generative (per decoding
+    # call), merge, serialise (the decode thread); publish (first send to last
+    # acknowledgement, on the producer's I/O thread).
+    ["stage"],
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0),
 )
 BATCH_USERS = Histogram(
     "genrec_batch_users",
-    "Requests (distinct users) per micro-batch.",
-    buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+    "Requests (distinct users) per decoding call (at most online.max_batch_users).",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
 )
 REQUESTS = Counter(
     "genrec_requests_total",

@@ -113,8 +113,17 @@ class OnlineSettings(BaseModel):
     group_id: str = "genrec-online"
     # Where a brand-new consumer group starts; "latest" skips a backlog of old events.
     auto_offset_reset: Literal["earliest", "latest"] = "latest"
-    batch_window_ms: int = Field(default=20, ge=0)  # wait this long after a batch's first event
-    max_batch_users: int = Field(default=32, ge=1)
+    # A batch is decoded as soon as the decoder is free (with decode_thread: about to be)
+    # and grows with the backlog while it is busy; a window makes a batch wait that long
+    # after its first event even when the decoder is idle.
+    batch_window_ms: int = Field(default=0, ge=0)
+    max_batch_users: int = Field(default=64, ge=1)  # users per decoding call
+    # Decode on a thread of its own while the consumer's thread prepares the next batch
+    # (histories, prefix KVs, branches). Off: one thread, the next batch being what came
+    # meanwhile. With the `small` model on the 2-core CPU the thread lost: the threads'
+    # Python work contends for the GIL, decoding got slower than the overlap won
+    # (docs/online.md). Meant for decoding that waits on kernels (a large model, a GPU).
+    decode_thread: bool = False
     max_poll_records: int = Field(default=500, ge=1)
     prefix_kv_lru_size: int = Field(default=2048, ge=0)  # prefix KVs kept in memory
     prefix_kv_lru_mb: float = Field(default=2048.0, gt=0)  # ... and at most this much of them

@@ -2,21 +2,25 @@
 
 For every request (a user's latest event in the batch) the recommender:
 
-1. reads the user's history from the behavior store (newest ``max_history_events``)
-   and adds the events in hand from Kafka that ingest has not stored yet
-   (deduplicated by ``event_id``), in time order;
+1. reads the user's history from the behavior store (newest ``max_history_events``,
+   one query for the whole batch) and adds the events in hand from Kafka that
+   ingest has not stored yet (deduplicated by ``event_id``), in time order;
 2. looks up the user's prefix KV (an in-memory LRU over the KV store) and splits
    the history at its cutoff: events up to ``cutoff_event_row`` are in the cached
    prefix, the rest is the real-time suffix. Users without a cache are decoded
    from the whole prompt (BOS + their items);
-3. decodes the top items with the generative decoder (prefill the suffix onto
+3. asks every traditional branch (popularity, item-CF, ANN) for its list, the
+   whole batch in one call per branch;
+4. decodes the top items with the generative decoder (prefill the suffix onto
    the prefix KV, speculative beam search over valid semantic IDs), dropping
-   items the user has already seen;
-4. asks every traditional branch (popularity, item-CF, ANN) for its list, merges
-   all lists, and builds the ``RecommendationMessage``.
+   items the user has already seen, in calls of at most ``max_batch_users``;
+5. merges all lists and builds the ``RecommendationMessage``.
 
-The decoder, KV store and branches come from a ``ServingBundle`` (see
-``genrec.online.live_version``) so tests can inject small models and fakes.
+Steps 1-3 are ``prepare`` and steps 4-5 ``finish``: the worker prepares the next
+batch on its consumer's thread while its engine thread finishes the current one
+(``recommend`` does both in turn). The decoder, KV store and branches come from
+a ``ServingBundle`` (see ``genrec.online.live_version``) so tests can inject
+small models and fakes.
 
 Example::
 
@@ -32,6 +36,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -95,6 +100,21 @@ class GenerativeBatch:
     stats: list[dict[str, Any]]  # per request: target_calls, acceptance_rate, mode ...
 
 
+@dataclass
+class PreparedBatch:
+    """A batch ready for the engine: ``Recommender.prepare``'s work, ``finish``'s input."""
+
+    requests: list[Request]
+    bundle: Any  # the ServingBundle that prepared it, and decodes it
+    gen_requests: list[GenerativeRequest] | None  # None: the bundle has no decoder
+    decoding: list[dict[str, Any]]  # per request: path, prompt/suffix tokens, then decode stats
+    branch_lists: dict[str, list[list[tuple[str, float]]]]  # per branch, per request
+
+    @property
+    def users(self) -> int:
+        return len(self.requests)
+
+
 class GenerativeDecoder(Protocol):
     """Decodes a batch of users to their top items (seen items already removed)."""
 
@@ -108,7 +128,9 @@ class PrefixKVCache:
     """An LRU of loaded prefix KVs keyed by (kv version, user); misses are cached too.
 
     Bounded by entries and by bytes: a SmolLM2-sized user prefix is ~9 MB, so a
-    count alone would not bound a worker's memory.
+    count alone would not bound a worker's memory. Thread-safe: the worker looks
+    prefixes up on its consumer's thread while its engine thread recounts the
+    ones it decoded.
     """
 
     _MISS = object()
@@ -118,15 +140,18 @@ class PrefixKVCache:
         self.nbytes = 0
         self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # bytes of each entry, as last counted
+        self._lock = threading.Lock()
 
     def get(self, kv_store: Any, kv_version: str, user_id: str, model_version: Any) -> tuple:
         """``(entry, prefix_kv)`` or ``(None, None)``; loads from ``kv_store`` on a memory miss."""
         key = (kv_version, user_id)
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            metrics.PREFIX_KV_LOOKUPS.labels(result="memory").inc()
-            found = self._entries[key]
-            return (None, None) if found is self._MISS else found
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                metrics.PREFIX_KV_LOOKUPS.labels(result="memory").inc()
+                found = self._entries[key]
+                return (None, None) if found is self._MISS else found
+        # Loaded outside the lock: a disk read must not hold up the engine's recount.
         entry = kv_store.lookup(kv_version, user_id)
         found = self._MISS
         if entry is not None:
@@ -138,7 +163,8 @@ class PrefixKVCache:
         metrics.PREFIX_KV_LOOKUPS.labels(
             result="store" if found is not self._MISS else "miss"
         ).inc()
-        self._remember(key, found)
+        with self._lock:
+            self._remember(key, found)
         return (None, None) if found is self._MISS else found
 
     def _remember(self, key: tuple[str, str], found: Any) -> None:
@@ -150,10 +176,11 @@ class PrefixKVCache:
 
     def recount(self, kv_version: str, user_ids: Sequence[str]) -> None:
         """Re-measure these users' entries (the decoder adds the draft's prefix KV to them)."""
-        for user_id in user_ids:
-            if (kv_version, user_id) in self._entries:
-                self._count((kv_version, user_id))
-        self._evict()
+        with self._lock:
+            for user_id in user_ids:
+                if (kv_version, user_id) in self._entries:
+                    self._count((kv_version, user_id))
+            self._evict()
 
     def _count(self, key: tuple[str, str]) -> None:
         size = _prefix_bytes(self._entries[key])
@@ -168,9 +195,10 @@ class PrefixKVCache:
             self.nbytes -= self._sizes.pop(key, 0)
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._sizes.clear()
-        self.nbytes = 0
+        with self._lock:
+            self._entries.clear()
+            self._sizes.clear()
+            self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -206,21 +234,35 @@ class Recommender:
         self._bundle_key: str | None = None
 
     def recommend(self, requests: Sequence[Request], bundle) -> list[RecommendationMessage]:
-        """One message per request, in request order."""
+        """One message per request, in request order: ``prepare`` then ``finish``."""
+        return self.finish(self.prepare(requests, bundle))
+
+    def prepare(self, requests: Sequence[Request], bundle) -> PreparedBatch:
+        """Everything but the decoding: histories (one query), prefix KVs, branch lists."""
         if bundle.key != self._bundle_key:  # a new version: cached prefixes belong to the old one
             self.prefix_kvs.clear()
             self._bundle_key = bundle.key
         started = time.perf_counter()
         histories = self._histories(requests)
         metrics.STAGE_LATENCY.labels(stage="history").observe(time.perf_counter() - started)
-        generative, decoding = self._generative(requests, histories, bundle)
+        gen_requests, decoding = self._generative_requests(requests, histories, bundle)
         lists = self._branches(requests, histories, bundle)
+        return PreparedBatch(list(requests), bundle, gen_requests, decoding, lists)
+
+    def finish(self, prepared: PreparedBatch) -> list[RecommendationMessage]:
+        """Decode a prepared batch (in calls of at most ``max_batch_users``) and build its
+        messages, in request order."""
+        generative = self._decode(prepared)
+        started = time.perf_counter()
         messages = []
-        for i, request in enumerate(requests):
-            branch_lists = {name: rows[i] for name, rows in lists.items()}
+        for i, request in enumerate(prepared.requests):
+            branch_lists = {name: rows[i] for name, rows in prepared.branch_lists.items()}
             if generative is not None:
                 branch_lists = {GENERATIVE: generative[i], **branch_lists}
-            messages.append(self._message(request, branch_lists, decoding[i], bundle))
+            messages.append(
+                self._message(request, branch_lists, prepared.decoding[i], prepared.bundle)
+            )
+        metrics.STAGE_LATENCY.labels(stage="merge").observe(time.perf_counter() - started)
         return messages
 
     # --- 1. history --------------------------------------------------------------
@@ -240,12 +282,12 @@ class Recommender:
             histories.append(sorted(history, key=lambda e: e.ts_ms))
         return histories
 
-    # --- 2 + 3. prefix KV and generative decoding --------------------------------------
+    # --- 2. prefix KV and prompts, 4. generative decoding ---------------------------------
 
-    def _generative(self, requests, histories, bundle) -> tuple[list | None, list[dict]]:
+    def _generative_requests(self, requests, histories, bundle) -> tuple[list | None, list[dict]]:
+        """Per request what the decoder needs (None without a decoder) and its statistics."""
         decoding: list[dict[str, Any]] = [{} for _ in requests]
-        decoder = bundle.decoder
-        if decoder is None:
+        if bundle.decoder is None:
             for stats in decoding:
                 stats["path"] = "no_generative"
             return None, decoding
@@ -255,6 +297,26 @@ class Recommender:
             for r, h, stats in zip(requests, histories, decoding, strict=True)
         ]
         metrics.STAGE_LATENCY.labels(stage="prefix_kv").observe(time.perf_counter() - started)
+        return gen_requests, decoding
+
+    def _decode(self, prepared: PreparedBatch) -> list | None:
+        """Each request's generative (item id, score) list, best first (None: no decoder)."""
+        chunk = self.settings.max_batch_users
+        lists: list = []
+        for start in range(0, prepared.users, chunk):
+            part = slice(start, start + chunk)
+            metrics.BATCH_USERS.observe(len(prepared.requests[part]))
+            if prepared.gen_requests is not None:
+                lists.extend(
+                    self._decode_chunk(
+                        prepared.gen_requests[part], prepared.decoding[part], prepared
+                    )
+                )
+        return None if prepared.gen_requests is None else lists
+
+    def _decode_chunk(self, gen_requests, decoding, prepared: PreparedBatch) -> list:
+        bundle = prepared.bundle
+        decoder = bundle.decoder
         started = time.perf_counter()
         # seen items are excluded inside the beam search: every beam is an unseen item
         beam_width = self.settings.generative_beams()
@@ -262,14 +324,14 @@ class Recommender:
             batch = decoder.decode(gen_requests, beam_width)
         except Exception:
             log.exception(
-                "generative decoding failed for %d users; serving branches only", len(requests)
+                "generative decoding failed for %d users; serving branches only", len(gen_requests)
             )
             metrics.ERRORS.labels(component="online", kind="generative").inc()
-            metrics.FALLBACKS.labels(reason="generative_error").inc(len(requests))
+            metrics.FALLBACKS.labels(reason="generative_error").inc(len(gen_requests))
             for stats in decoding:
                 stats["path"] = "no_generative"
                 stats["fallback"] = "generative_error"
-            return [[] for _ in requests], decoding
+            return [[] for _ in gen_requests]
         metrics.STAGE_LATENCY.labels(stage="generative").observe(time.perf_counter() - started)
         if bundle.kv_version is not None:  # decoding may have cached the draft's prefix KVs
             self.prefix_kvs.recount(bundle.kv_version, [r.user_id for r in gen_requests])
@@ -281,7 +343,7 @@ class Recommender:
         for stats, request_stats in zip(decoding, batch.stats, strict=True):
             stats.update(request_stats)
             _observe_decoding(stats)
-        return lists, decoding
+        return lists
 
     def _generative_request(self, request, history, bundle, stats) -> GenerativeRequest:
         item_tokens = bundle.decoder.item_tokens
@@ -310,7 +372,7 @@ class Recommender:
         stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
         return gen
 
-    # --- 4. branches and merge ----------------------------------------------------------
+    # --- 3. branches, 5. merge ----------------------------------------------------------
 
     def _branches(self, requests, histories, bundle) -> dict[str, list[list[tuple[str, float]]]]:
         started = time.perf_counter()

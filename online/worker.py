@@ -1,24 +1,35 @@
-"""The online worker loop behind ``genrec serve``: consume, micro-batch, recommend, publish, commit.
+"""The online worker loop behind ``genrec serve``: consume, gather, recommend, publish, commit.
 
 The worker joins consumer group ``online.group_id`` on ``kafka.topic_events``
-(several workers split the partitions). It gathers a micro-batch: everything
-polled until ``online.batch_window_ms`` after the batch's first event. Each
-user's latest event in the batch is one request; the user's earlier events in
-the window ride along (``covered_event_ids``), so every event is answered by
-exactly one message. The ``Recommender`` answers the requests in chunks of
-``online.max_batch_users``; the worker publishes one message per request to
-``kafka.topic_recommendations`` keyed by ``user_id``, waits until Kafka has
-acknowledged every one of them, and only then commits the consumed offsets.
+(several workers split the partitions). Each user's latest event in a batch is
+one request; the user's earlier events in the batch ride along
+(``covered_event_ids``), so every event is answered by exactly one message.
 
-Delivery is at-least-once: a crash between publish and commit re-delivers those
-events and they are answered again, with the same ``request_id`` (the
-triggering event's id), which consumers deduplicate on. A failed publish is
-never committed: the worker rewinds to the batch's first offsets and retries.
-SIGTERM (``request_stop``) finishes the batch in hand, commits it and leaves
-the group. Polling (through broker outages), the batch window, stop requests,
-the idle exit, health and closing are the shared ``ConsumerLoop``'s
-(``infra/consumer_loop.py``); this module adds what is online's: group,
-recommend, publish, commit or rewind.
+Continuous batching: a batch is handed to the ``DecodeStage``
+(``genrec.online.batch_pipeline``) as soon as it is free, so at low load a
+request waits for little more than its own decoding, and under load the next
+batch is whatever came while the last one was served, up to
+``online.max_batch_users`` users per decoding call. By default the stage
+decodes on the consumer's thread: Kafka's own I/O thread fetches the next
+records meanwhile, and acknowledgements and commits no longer hold the loop up.
+With ``online.decode_thread`` it decodes on a thread of its own while the
+consumer's thread polls and prepares the next batch (``Recommender.prepare``:
+one store query for its histories, its prefix KVs, its branch lists), handed
+over when the stage is predicted to be free less the time a preparation takes.
+``online.batch_window_ms`` (default 0) makes a batch wait that long for more
+events even when the stage is idle.
+
+Kafka acknowledges messages on the producer's I/O thread; the consumer's thread
+commits a batch's offsets (asynchronously) once every message of the batch is
+acknowledged, and never before an earlier batch's. Delivery is at-least-once:
+a crash between publish and commit re-delivers those events and they are
+answered again, with the same ``request_id`` (the triggering event's id),
+which consumers deduplicate on. A failed batch (a failed publish, or the
+behavior store away) is never committed: the worker drops it and every batch
+after it, seeks back to their first offsets and serves them again. SIGTERM
+(``request_stop``) finishes the batches in hand, commits them and leaves the
+group. Polling (through broker outages), stop requests, the idle exit, health
+and closing are the shared ``ConsumerLoop``'s (``infra/consumer_loop.py``).
 
 Example::
 
@@ -30,25 +41,30 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer
+from kafka import AsyncConsumerRebalanceListener, KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from genrec.infra import metrics
 from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
+from genrec.online.batch_pipeline import BatchTimer, DecodeStage, InFlightBatch
 from genrec.online.live_version import ServingVersions
 from genrec.online.recommender import Recommender, Request
 from genrec.schemas.events import UserEvent, validate_event
 
 log = logging.getLogger(__name__)
 
-POLL_IDLE_MS = 200  # poll timeout while no batch is open: bounds how fast SIGTERM is seen
+POLL_IDLE_MS = 200  # poll timeout while nothing is in hand: bounds how fast SIGTERM is seen
+# Poll timeout while batches are in flight: how late a decode thread that finished early,
+# or an acknowledgement to commit, is noticed (a poll cannot be woken before its timeout).
+# 5 ms cost the decode thread more (its Python work contends with the polls') than it won.
+LOOK_AGAIN_S = 0.01
 PUBLISH_RETRY_S = 1.0  # wait before a failed batch is served again
 FAILING_BATCHES = 3  # failed attempts in a row after which /healthz answers 503
 PROGRESS_EVERY_S = 5.0  # seconds between progress lines in the log
@@ -96,31 +112,38 @@ class OnlineWorker(BatchHandler):
             batch_window_s=self.online.batch_window_ms / 1000.0,
             max_records=self.online.max_poll_records,
         )  # fmt: skip
-        self._pending: list[_Polled] = []  # the open batch
+        self._open: list[_Polled] = []  # the batch being gathered
+        self._open_users: set[str] = set()
+        self._in_flight: deque[InFlightBatch] = deque()  # handed over, not committed; in order
+        self._epoch = 0  # rewinds so far: a batch gathered before the last one is void
+        self._prepare_time = BatchTimer()  # how long preparing a batch takes, by its users
+        self._committed: dict[Any, int] = {}  # next offset per partition, as last committed
         self._dropped: dict[Any, int] = {}  # first unanswered offset of each revoked partition
         self._last_progress = time.monotonic()
         self.report = WorkerReport()
         self._failures = 0  # batches in a row that could not be answered
         self._commit_failures = 0  # answered batches in a row whose offsets did not commit
+        self.decoder = DecodeStage(self._serve, threaded=self.online.decode_thread)
         self.consumer: Any = None
         self.producer: Any = None
 
     # --- lifecycle ------------------------------------------------------------------
 
     def request_stop(self, *_args: Any) -> None:
-        """Finish the batch in hand, commit it, leave the group (safe from a signal handler)."""
+        """Finish the batches in hand, commit them, leave the group (safe from a signal handler)."""
         self.loop.request_stop()
 
     def health(self) -> tuple[bool, dict[str, Any]]:
-        """Healthy while the loop turns (a stuck decode or broker shows as unhealthy)."""
+        """Healthy while the loop turns and the decode thread is not stuck on one batch."""
         return self.loop.health()
 
     def run(
         self, exit_when_idle_s: float | None = None, max_requests: int | None = None
     ) -> WorkerReport:
         """Serve until ``request_stop``, ``exit_when_idle_s`` without events, or ``max_requests``."""
-        self.consumer = self._consumer_factory(_RevokeListener(self))
+        self.consumer = self._consumer_factory(_Rebalance(self))
         self.producer = self._producer_factory()
+        self.decoder.start()
         report = self.report
         try:
             self.loop.run(
@@ -137,18 +160,52 @@ class OnlineWorker(BatchHandler):
     def take_records(self, polled: dict[Any, list[Any]], received_at: float) -> None:
         for records in polled.values():
             for record in records:
-                self._pending.append(_Polled(record, self._parse(record), received_at))
+                item = _Polled(record, self._parse(record), received_at)
+                self._open.append(item)
+                if item.event is not None:
+                    self._open_users.add(item.event.user_id)
 
     def has_batch(self) -> bool:
-        return bool(self._pending)
+        return bool(self._open)
 
     def batch_full(self) -> bool:
-        users = {p.event.user_id for p in self._pending if p.event is not None}
-        return len(users) >= self.online.max_batch_users
+        return len(self._open_users) >= self.online.max_batch_users
+
+    def hand_over_in_s(self, window_left_s: float) -> float:
+        if self.decoder.has_waiting():  # the next batch is prepared already: keep gathering
+            return LOOK_AGAIN_S
+        # Prepared just in time: ready when the decode thread is predicted to be free.
+        lead_s = self._prepare_time.predict(len(self._open_users)) or 0.0
+        return max(window_left_s, self.decoder.busy_for_s(time.monotonic()) - lead_s)
+
+    def poll_timeout_s(self, timeout_s: float) -> float:
+        return min(timeout_s, LOOK_AGAIN_S) if self._in_flight else timeout_s
+
+    def after_poll(self) -> None:
+        self._collect()
 
     def handle_batch(self) -> None:
-        polled, self._pending = self._pending, []
-        self._serve(polled)
+        polled, self._open, self._open_users = self._open, [], set()
+        batch = InFlightBatch(polled, group_requests(polled), self._epoch)
+        received = min(p.received_at for p in polled)
+        metrics.STAGE_LATENCY.labels(stage="gather").observe(batch.gathered_at - received)
+        if not batch.requests:  # only invalid events: nothing to answer, offsets to commit
+            batch.mark_sent()
+            self._in_flight.append(batch)
+            return
+        if self._prepare(batch):
+            self._in_flight.append(batch)
+            batch.handed_at = time.monotonic()
+            self.decoder.hand_over(batch)  # waits only if a full batch follows a waiting one
+
+    def settle(self) -> None:
+        self._collect()
+
+    def drain(self) -> None:
+        """Serve every batch in hand, then commit synchronously before the consumer closes."""
+        self._finish_in_flight()
+        self._collect()
+        self._commit_now()
 
     def health_details(self) -> dict[str, Any]:
         bundle = self.versions.current() if self.versions else None
@@ -156,20 +213,25 @@ class OnlineWorker(BatchHandler):
             "requests": self.report.requests,
             "failing_batches": self._failures,
             "failing_commits": self._commit_failures,
+            "decoding_batch_s": round(self.decoder.busy_s(time.monotonic()), 1),
             "version": bundle.describe() if bundle else None,
         }
 
     def failing(self) -> bool:
-        return max(self._failures, self._commit_failures) >= FAILING_BATCHES
+        # The decode thread stuck on one batch: the loop may still turn (it gathers), so
+        # the loop's own stall clock would not show it.
+        stuck = self.decoder.busy_s(time.monotonic()) >= self.online.health_stall_s
+        return stuck or max(self._failures, self._commit_failures) >= FAILING_BATCHES
 
     def release(self) -> None:
+        self.decoder.stop(timeout_s=self.online.publish_timeout_s)
         try:
             if self.producer is not None:
                 self.producer.close()
         except Exception:
             log.exception("closing the Kafka producer failed")
 
-    # --- one batch ---------------------------------------------------------------------
+    # --- gather and prepare (the consumer's thread) --------------------------------------
 
     def _parse(self, record: Any) -> UserEvent | None:
         result = validate_event(record.value, self.settings.ingest.max_message_bytes)
@@ -184,117 +246,225 @@ class OnlineWorker(BatchHandler):
         )
         return None
 
-    def _serve(self, polled: list[_Polled]) -> None:
-        requests = group_requests(polled)
+    def _prepare(self, batch: InFlightBatch) -> bool:
+        """Histories, prefix KVs and branch lists; on failure the batch is read again later."""
         bundle = self.versions.current()
         if bundle.key not in self.report.versions:
             self.report.versions.append(bundle.key)
-        messages = []
-        chunk = self.online.max_batch_users
+        started = time.monotonic()
         try:
-            for start in range(0, len(requests), chunk):
-                part = requests[start : start + chunk]
-                metrics.BATCH_USERS.observe(len(part))
-                messages.extend(self.recommender.recommend(part, bundle))
+            batch.prepared = self.recommender.prepare(batch.requests, bundle)
         except Exception:  # e.g. the behavior store is briefly away: answer this batch later
-            log.exception(
-                "recommending %d requests failed; the batch will be retried", len(requests)
-            )
+            log.exception("recommending %d requests failed; the batch will be retried", batch.users)
             metrics.ERRORS.labels(component="online", kind="recommend").inc()
             self._failures += 1
-            self._rewind(polled)
-            return
-        if not self._publish(messages):
-            self._failures += 1
-            self._rewind(polled)
+            self._seek_back(batch.polled)  # the batches before it are fine: only this one
+            self.loop.stop_requested.wait(PUBLISH_RETRY_S)
+            self.loop.restart_idle_clock()  # its records wait to be read again: not idle
+            return False
+        self._prepare_time.record(batch.users, time.monotonic() - started)
+        return True
+
+    # --- decode, serialise, send (the decode thread) --------------------------------------
+
+    def _serve(self, batch: InFlightBatch) -> bool:
+        """Finish a prepared batch and hand its messages to the producer; False if void."""
+        if batch.epoch != self._epoch:  # rewound meanwhile: its records will be read again
+            return False
+        metrics.STAGE_LATENCY.labels(stage="queue").observe(time.monotonic() - batch.handed_at)
+        try:
+            messages = self.recommender.finish(batch.prepared)
+            started = time.perf_counter()
+            payloads = [(m.kafka_key(), m.to_json_bytes()) for m in messages]
+            metrics.STAGE_LATENCY.labels(stage="serialise").observe(time.perf_counter() - started)
+        except Exception as exc:
+            log.exception("recommending %d requests failed; the batch will be retried", batch.users)
+            batch.failed(exc, "recommend")
+            return True
+        batch.paths = [m.decoding.get("path", "unknown") for m in messages]
+        if batch.epoch == self._epoch:
+            self._send(batch, payloads)
+        return True
+
+    def _send(self, batch: InFlightBatch, payloads: Sequence[tuple[bytes, bytes]]) -> None:
+        topic = self.settings.kafka.topic_recommendations
+        batch.expect_acks(len(payloads))
+        try:
+            for key, value in payloads:
+                future = self.producer.send(topic, key=key, value=value)
+                future.add_callback(batch.acked)
+                future.add_errback(batch.failed)
+        except Exception as exc:  # e.g. the producer's buffer stayed full past max_block_ms
+            batch.failed(exc)
+        batch.mark_sent()
+
+    # --- acknowledge and commit (the consumer's thread) ------------------------------------
+
+    def _collect(self) -> None:
+        """Commit the batches at the head that are acknowledged; rewind at a failed one."""
+        done: list[InFlightBatch] = []
+        now = time.monotonic()
+        while self._in_flight:
+            state = self._in_flight[0].state(now, self.online.publish_timeout_s)
+            if state == "pending":
+                break
+            if state == "failed":
+                self._answered(done)
+                self._rewind()
+                return
+            done.append(self._in_flight.popleft())
+        self._answered(done)
+
+    def _answered(self, batches: Sequence[InFlightBatch]) -> None:
+        if not batches:
             return
         self._failures = 0
-        self._commit(polled)
-        now = time.monotonic()
-        for request, message in zip(requests, messages, strict=True):
-            metrics.REQUEST_LATENCY.observe(now - request.received_at)
-            metrics.REQUESTS.labels(path=message.decoding.get("path", "unknown")).inc()
-        self.report.batches += 1
-        self.report.requests += len(requests)
-        self.report.events += len(polled)
+        self._commit_async(_next_offsets(p for b in batches for p in b.polled))
+        for batch in batches:
+            self._account(batch)
         metrics.record_lag("online", self.consumer)
-        # One line per batch is for debugging; the progress line below is for operators.
-        log.debug(
-            "served %d requests (%d events) with version %s",
-            len(requests), len(polled), bundle.key,
-            extra={"fields": {"requests": len(requests), "events": len(polled), "version": bundle.key,
-                              "max_latency_ms": max((m.latency_ms for m in messages), default=0.0)}},
-        )  # fmt: skip
+
+    def _account(self, batch: InFlightBatch) -> None:
+        """Metrics, report and progress of one acknowledged batch."""
+        if batch.send_started is not None and batch.acked_at is not None:
+            metrics.STAGE_LATENCY.labels(stage="publish").observe(
+                batch.acked_at - batch.send_started
+            )
+        acked_at = batch.acked_at or time.monotonic()
+        for request, path in zip(batch.requests, batch.paths, strict=True):
+            metrics.REQUEST_LATENCY.observe(acked_at - request.received_at)
+            metrics.REQUESTS.labels(path=path).inc()
+        self.report.batches += 1
+        self.report.requests += batch.users
+        self.report.events += len(batch.polled)
+        now = time.monotonic()
         if now - self._last_progress >= PROGRESS_EVERY_S:
             self._last_progress = now
             log.info(
                 "serve: %d requests (%d events) in %d batches, version %s",
-                self.report.requests, self.report.events, self.report.batches, bundle.key,
+                self.report.requests, self.report.events, self.report.batches,
+                self.report.versions[-1] if self.report.versions else None,
             )  # fmt: skip
 
-    def _publish(self, messages: Sequence[Any]) -> bool:
-        """Send all, flush, and check every acknowledgement; False if any failed."""
-        if not messages:
-            return True
-        started = time.perf_counter()
-        topic = self.settings.kafka.topic_recommendations
-        try:
-            futures = [
-                self.producer.send(topic, key=m.kafka_key(), value=m.to_json_bytes())
-                for m in messages
-            ]
-            self.producer.flush(timeout=self.online.publish_timeout_s)
-            for future in futures:
-                future.get(timeout=self.online.publish_timeout_s)
-        except Exception:
-            log.exception(
-                "publishing %d recommendations failed; the batch will be retried", len(messages)
-            )
-            metrics.ERRORS.labels(component="online", kind="publish").inc()
-            self.report.publish_failures += 1
-            return False
-        metrics.STAGE_LATENCY.labels(stage="publish").observe(time.perf_counter() - started)
-        return True
-
-    def _commit(self, polled: Sequence[_Polled]) -> None:
-        offsets = {}
-        for partition, last in _last_offsets(polled).items():
-            offsets[partition] = OffsetAndMetadata(last + 1, "", -1)
-        try:
-            self.consumer.commit(offsets)
-        except Exception:
-            # Published but not committed (e.g. the group rebalanced meanwhile): the new
-            # owner answers these events again; consumers dedupe on request_id. One
-            # failure is routine; several in a row (e.g. lost permissions on the group)
-            # would re-answer everything after a restart, so /healthz turns red.
-            log.exception("committing offsets failed; these events may be answered twice")
-            metrics.ERRORS.labels(component="online", kind="commit").inc()
-            self._commit_failures += 1
-            self.report.commit_failures += 1
+    def _commit_async(self, offsets: dict[Any, int]) -> None:
+        offsets = self._owned(offsets)
+        if not offsets:
             return
-        self._commit_failures = 0
+        self._committed.update(offsets)
+        try:
+            self.consumer.commit_async(_commit_request(offsets), callback=self._commit_answered)
+        except Exception as exc:
+            self._commit_failed(exc)
 
-    def _rewind(self, polled: Sequence[_Polled]) -> None:
-        """Seek back to the batch's first offsets so the next poll serves it again."""
+    def _commit_answered(self, _offsets: Any, response: Any) -> None:
+        """kafka-python's answer to an asynchronous commit (inside a later poll)."""
+        if isinstance(response, Exception):
+            self._commit_failed(response)
+        else:
+            self._commit_failures = 0
+
+    def _commit_now(self) -> None:
+        """Commit the offsets committed asynchronously so far, and wait for it (at the end)."""
+        offsets = self._owned(self._committed)
+        if not offsets:
+            return
+        try:
+            self.consumer.commit(_commit_request(offsets))
+        except Exception as exc:
+            self._commit_failed(exc)
+        else:
+            self._commit_failures = 0
+
+    def _commit_failed(self, error: BaseException) -> None:
+        # Published but not committed (e.g. the group rebalanced meanwhile): the new
+        # owner answers these events again; consumers dedupe on request_id. One
+        # failure is routine; several in a row (e.g. lost permissions on the group)
+        # would re-answer everything after a restart, so /healthz turns red.
+        log.error("committing offsets failed (%s); these events may be answered twice", error)
+        metrics.ERRORS.labels(component="online", kind="commit").inc()
+        self._commit_failures += 1
+        self.report.commit_failures += 1
+
+    def _owned(self, offsets: dict[Any, int]) -> dict[Any, int]:
+        """Only partitions still assigned: a revoked one's offsets are its new owner's."""
         assigned = set(self.consumer.assignment())
-        for partition, first in _first_offsets(polled).items():
+        return {tp: offset for tp, offset in offsets.items() if tp in assigned}
+
+    def _finish_in_flight(self) -> None:
+        """Wait until every batch handed over is acknowledged or failed (no commit)."""
+        while self._in_flight:
+            now = time.monotonic()
+            if all(
+                b.state(now, self.online.publish_timeout_s) != "pending" for b in self._in_flight
+            ):
+                return
+            self.decoder.progress.wait(LOOK_AGAIN_S)
+            self.decoder.progress.clear()
+
+    # --- failures and rebalances -------------------------------------------------------
+
+    def _rewind(self) -> None:
+        """The head batch failed: void it and every later batch, read them all again."""
+        failed = self._in_flight[0]
+        metrics.ERRORS.labels(component="online", kind=failed.failed_in).inc()
+        if failed.failed_in == "publish":
+            log.error(
+                "publishing %d recommendations failed (%s); the batch will be retried",
+                failed.users, failed.error,
+            )  # fmt: skip
+            self.report.publish_failures += 1
+        self._failures += 1
+        records = [p for batch in self._in_flight for p in batch.polled] + self._open
+        self._in_flight.clear()
+        self._open, self._open_users = [], set()
+        self._epoch += 1
+        self._seek_back(records)
+        self.loop.stop_requested.wait(PUBLISH_RETRY_S)
+        self.loop.restart_idle_clock()  # their records wait to be read again: not idle
+
+    def _seek_back(self, records: Sequence[_Polled]) -> None:
+        """Seek to the records' first offsets so the next polls read them again."""
+        assigned = set(self.consumer.assignment())
+        for partition, first in _first_offsets(records).items():
             if partition in assigned:
                 self.consumer.seek(partition, first)
-        self.loop.stop_requested.wait(PUBLISH_RETRY_S)
 
-    def _drop_revoked(self, revoked: Sequence[Any]) -> None:
-        # Records of a revoked partition are not ours to answer any more: the new
-        # owner starts from the last commit, which does not include them.
+    def _partitions_revoked(self, revoked: Iterable[Any], lost: bool) -> dict[Any, int]:
+        """Hand the partitions over drained; returns the offsets to commit first (none if lost).
+
+        Revoked (still ours until the group rejoins): every batch in hand is finished,
+        the acknowledged ones' offsets are returned for the caller to commit, and the
+        rest, failed or not handed over, is left to the partitions' next owner. Lost
+        (the group moved on already): nothing of ours may be committed any more.
+        """
         revoked = set(revoked)
+        for partition in revoked:  # a stale offset must never be committed again
+            self._committed.pop(partition, None)
+        offsets: dict[Any, int] = {}
+        if not lost:
+            self._finish_in_flight()
+        left: list[_Polled] = []
+        for batch in self._in_flight:
+            done = not lost and not left and batch.state(time.monotonic(), float("inf")) == "done"
+            if done:
+                self._account(batch)
+                offsets.update(_next_offsets(batch.polled))
+            else:
+                left.extend(batch.polled)
+        if self._in_flight:
+            self._in_flight.clear()
+            self._epoch += 1
         kept = []
-        for polled in self._pending:
+        for polled in [*left, *self._open]:
             partition = _partition(polled.record)
             if partition in revoked:
                 offset = polled.record.offset
                 self._dropped[partition] = min(offset, self._dropped.get(partition, offset))
             else:
                 kept.append(polled)
-        self._pending[:] = kept
+        self._open = kept
+        self._open_users = {p.event.user_id for p in kept if p.event is not None}
+        return self._owned(offsets)
 
     def _seek_back_reassigned(self, assigned: Sequence[Any]) -> None:
         # A partition revoked and assigned back to us keeps its fetch position in
@@ -326,7 +496,9 @@ class OnlineWorker(BatchHandler):
         return consumer
 
     def _kafka_producer(self) -> Any:
-        return KafkaProducer(**self.settings.kafka.client_config(), acks="all", linger_ms=5)
+        # linger 0: a batch's messages leave at once (the decode thread sends them all in
+        # one go, and the sender packs whatever queued meanwhile into its next request).
+        return KafkaProducer(**self.settings.kafka.client_config(), acks="all", linger_ms=0)
 
 
 def group_requests(polled: Sequence[_Polled]) -> list[Request]:
@@ -345,15 +517,16 @@ def _partition(record: Any) -> TopicPartition:
     return TopicPartition(record.topic, record.partition)
 
 
-def _last_offsets(polled: Sequence[_Polled]) -> dict[Any, int]:
+def _next_offsets(polled: Iterable[_Polled]) -> dict[Any, int]:
+    """Per partition, the offset after the last record: what a commit of them names."""
     last: dict[Any, int] = {}
     for p in polled:
         tp = _partition(p.record)
-        last[tp] = max(last.get(tp, -1), p.record.offset)
+        last[tp] = max(last.get(tp, -1), p.record.offset + 1)
     return last
 
 
-def _first_offsets(polled: Sequence[_Polled]) -> dict[Any, int]:
+def _first_offsets(polled: Iterable[_Polled]) -> dict[Any, int]:
     first: dict[Any, int] = {}
     for p in polled:
         tp = _partition(p.record)
@@ -361,16 +534,31 @@ def _first_offsets(polled: Sequence[_Polled]) -> dict[Any, int]:
     return first
 
 
-class _RevokeListener(ConsumerRebalanceListener):
-    """Rebalance callbacks (kafka-python calls them inside ``poll``, on the worker's thread)."""
+def _commit_request(offsets: dict[Any, int]) -> dict[Any, OffsetAndMetadata]:
+    return {tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()}
+
+
+class _Rebalance(AsyncConsumerRebalanceListener):
+    """Rebalance callbacks. kafka-python 3 runs them inside its client's event loop, where a
+    blocking commit would deadlock; as coroutines they can await an asynchronous one, which
+    then reaches the coordinator before the group rejoins."""
 
     def __init__(self, worker: OnlineWorker) -> None:
         self.worker = worker
 
-    def on_partitions_revoked(self, revoked: Sequence[Any]) -> None:
+    async def on_partitions_revoked(self, revoked: Any) -> None:
         log.info("partitions revoked: %s", sorted(str(tp) for tp in revoked))
-        self.worker._drop_revoked(revoked)
+        offsets = self.worker._partitions_revoked(revoked, lost=False)
+        if offsets:
+            try:
+                await self.worker.consumer.commit_async(_commit_request(offsets))
+            except Exception as exc:
+                self.worker._commit_failed(exc)
 
-    def on_partitions_assigned(self, assigned: Sequence[Any]) -> None:
+    async def on_partitions_lost(self, lost: Any) -> None:
+        log.info("partitions lost: %s", sorted(str(tp) for tp in lost))
+        self.worker._partitions_revoked(lost, lost=True)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
         log.info("partitions assigned: %s", sorted(str(tp) for tp in assigned))
         self.worker._seek_back_reassigned(assigned)

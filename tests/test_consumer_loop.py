@@ -239,3 +239,38 @@ def test_a_consumer_that_fails_to_close_is_logged_not_raised(caplog) -> None:
     with caplog.at_level(logging.ERROR, logger="genrec.infra.consumer_loop"):
         loop.run(consumer, exit_when_idle_s=0)
     assert "test: closing the Kafka consumer failed" in caplog.text
+
+
+def test_a_step_with_work_in_flight_decides_when_its_batch_is_handed_over() -> None:
+    class PipelinedStep(RecordingStep):
+        """Keeps gathering while its engine is 'busy' (three polls), shortens its polls."""
+
+        def __init__(self, journal):
+            super().__init__(journal)
+            self.busy_polls = 3
+            self.windows: list[float] = []
+
+        def hand_over_in_s(self, window_left_s):
+            self.windows.append(window_left_s)
+            return 0.01 if self.busy_polls > 0 else 0.0
+
+        def poll_timeout_s(self, timeout_s):
+            return min(timeout_s, 0.002)
+
+        def after_poll(self):
+            self.busy_polls -= 1
+            self.journal.append("after poll")
+
+        def drain(self):
+            self.journal.append("drain")
+
+    consumer = ScriptedConsumer([{"tp": [1]}, {"tp": [2]}])
+    step = PipelinedStep(consumer.journal)
+    loop = ConsumerLoop("test", step, health_stall_s=120.0, idle_poll_ms=200, batch_window_s=60.0)
+    loop.run(consumer, exit_when_idle_s=0)
+    # one batch of both polls: the step said "not yet" past the second, despite no window left
+    assert step.batches == [[1, 2]]
+    assert consumer.journal[:4] == ["after poll", "after poll", "after poll", "batch [1, 2]"]
+    assert consumer.journal[-3:] == ["drain", "released", "consumer closed (autocommit=False)"]
+    assert all(kwargs["timeout_ms"] <= 2 for kwargs in consumer.polls)  # shortened, idle too
+    assert all(w > 59 for w in step.windows)  # what is left of the loop's own window

@@ -220,6 +220,33 @@ def test_decoder_failure_falls_back_to_branches(store) -> None:
     assert [i.item_id for i in message.items] == ["8", "6"]
 
 
+def test_prepare_reads_once_and_finish_decodes_in_calls_of_max_batch_users(
+    store, monkeypatch
+) -> None:
+    import genrec.online.recommender as recommender_module
+
+    reads, branch_calls = [], []
+    read = recommender_module.load_histories_of
+    monkeypatch.setattr(
+        recommender_module,
+        "load_histories_of",
+        lambda *a, **kw: reads.append(a[1]) or read(*a, **kw),
+    )
+    served = bundle(FakeDecoder())
+    popularity = served.branches["popularity"]
+    scored = popularity.recommend_batch
+    popularity.recommend_batch = lambda *a, **kw: branch_calls.append(len(a[0])) or scored(*a, **kw)
+    requests = [Request.of([event(f"k{n}", str(n), "1", 5000 + n)]) for n in range(7)]
+    recommender = Recommender(Settings(online={"k": 2, "max_batch_users": 3}), store)
+    prepared = recommender.prepare(requests, served)
+    # one store query and one call per branch for the whole batch; nothing decoded yet
+    assert len(reads) == 1 and branch_calls == [7] and served.decoder.calls == []
+    messages = recommender.finish(prepared)
+    assert [len(call) for call in served.decoder.calls] == [3, 3, 1]
+    assert [m.event_id for m in messages] == [f"k{n}" for n in range(7)]
+    assert all(m.decoding["path"] == "full_prompt" for m in messages)
+
+
 def test_prefix_kv_lru_caches_hits_and_misses_and_evicts() -> None:
     kv_store = FakeKVStore({"a": Entry(1, 1, "e"), "b": Entry(2, 2, "f")})
     cache = PrefixKVCache(size=2)

@@ -1,19 +1,27 @@
-"""The online worker loop (online/worker.py) with in-memory Kafka clients and a fake recommender."""
+"""The online worker (online/worker.py) and its pipeline, with in-memory Kafka clients and a fake
+recommender: requests, commits in order after every acknowledgement, rewinds, stop, rebalances."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
+import pytest
+from kafka.future import Future
 from kafka.structs import TopicPartition
 
 from genrec.infra.settings import Settings
 from genrec.online.live_version import ServingBundle, ServingVersions
+from genrec.online.recommender import PreparedBatch
 from genrec.online.worker import OnlineWorker
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 
 TOPIC = "genrec.user-events"
+WAIT_S = 10.0  # for conditions another thread brings about
+IDLE_S = 0.2  # exit_when_idle_s of runs that end by themselves: time to read rewound records
 
 
 @dataclass
@@ -26,92 +34,133 @@ class Record:
 
 
 class FakeConsumer:
-    """Hands out queued poll results (raises a queued exception); remembers commits and seeks."""
+    """A partitioned log: each poll appends the next scripted arrival (raises it if it is an
+    exception) and returns every record past the positions; seeks move the positions back.
+    Commits are remembered, and asynchronous ones answered at the next poll, as in kafka-python."""
 
-    def __init__(self, batches: list[list[Record]]) -> None:
-        self.batches = deque(batches)
-        self.commits: list[dict] = []
+    def __init__(self, arrivals: list, paced: bool = False) -> None:
+        self.arrivals = deque(arrivals)
+        self.paced = paced  # the next arrival only once everything before it was committed
+        self.revealed = 0
+        self.log: dict[int, list[Record]] = {}
+        self.positions: dict[int, int] = {}
+        self.commits: list[dict] = []  # every commit, in the order issued
+        self.committed: dict = {}  # what the group holds
+        self.commit_errors: deque = deque()  # errors for the next commits, None: success
         self.seeks: list[tuple] = []
         self.closed = False
         self.listener = None
+        self.polls = 0
+        self._callbacks: list = []
 
     def poll(self, timeout_ms=0, max_records=None):
-        if not self.batches:
-            return {}
-        records = self.batches.popleft()
-        if isinstance(records, Exception):
-            raise records
+        self.polls += 1
+        self._answer_commits()
+        if self.arrivals and (not self.paced or len(self.commits) >= self.revealed):
+            arrival = self.arrivals.popleft()
+            self.revealed += 1
+            if isinstance(arrival, Exception):
+                raise arrival
+            for record in arrival:
+                self.log.setdefault(record.partition, []).append(record)
         by_tp: dict = {}
-        for record in records:
-            by_tp.setdefault(TopicPartition(record.topic, record.partition), []).append(record)
+        for partition, records in self.log.items():
+            position = self.positions.get(partition, records[0].offset)
+            fresh = [r for r in records if r.offset >= position]
+            if fresh:
+                by_tp[TopicPartition(TOPIC, partition)] = fresh
+                self.positions[partition] = fresh[-1].offset + 1
+        if not by_tp and timeout_ms:
+            time.sleep(min(timeout_ms, 2) / 1000)  # a real poll waits; keep the loop polite
         return by_tp
 
+    def commit_async(self, offsets, callback=None):
+        error = self.commit_errors.popleft() if self.commit_errors else None
+        self._record(offsets, error)
+        self._callbacks.append((callback, offsets, error))
+        future = Future()
+        return future.failure(error) if error is not None else future.success(None)
+
     def commit(self, offsets):
-        self.commits.append({tp: meta.offset for tp, meta in offsets.items()})
+        error = self.commit_errors.popleft() if self.commit_errors else None
+        self._record(offsets, error)
+        if error is not None:
+            raise error
+
+    def _record(self, offsets, error) -> None:
+        offsets = {tp: meta.offset for tp, meta in offsets.items()}
+        self.commits.append(offsets)
+        if error is None:
+            self.committed.update(offsets)
+
+    def _answer_commits(self) -> None:
+        callbacks, self._callbacks = self._callbacks, []
+        for callback, offsets, error in callbacks:
+            if callback is not None:
+                callback(offsets, error)
 
     def assignment(self):
         return {TopicPartition(TOPIC, p) for p in range(3)}
 
     def seek(self, tp, offset):
         self.seeks.append((tp.partition, offset))
+        self.positions[tp.partition] = offset
 
     def highwater(self, tp):
         return None
 
     def close(self):
+        self._answer_commits()
         self.closed = True
 
 
-class Future:
-    def __init__(self, error: Exception | None) -> None:
-        self.error = error
-
-    def get(self, timeout=None):
-        if self.error is not None:
-            raise self.error
-        return "ack"
-
-
 class FakeProducer:
-    def __init__(self, fail_first_sends: int = 0) -> None:
+    """Acknowledges every send at once, or fails the first ``fail_first_sends``; with
+    ``manual`` the futures stay pending until the test resolves them (``futures``)."""
+
+    def __init__(self, fail_first_sends: int = 0, manual: bool = False) -> None:
         self.sent: list[tuple[bytes, RecommendationMessage]] = []
+        self.futures: list[Future] = []
         self.fail_first_sends = fail_first_sends
+        self.manual = manual
         self.closed = False
 
     def send(self, topic, key, value):
+        future = Future()
+        self.futures.append(future)
         if self.fail_first_sends > 0:
             self.fail_first_sends -= 1
-            return Future(RuntimeError("broker said no"))
+            return future.failure(RuntimeError("broker said no"))
         self.sent.append((key, RecommendationMessage.model_validate_json(value)))
-        return Future(None)
-
-    def flush(self, timeout=None):
-        pass
+        return future if self.manual else future.success("ack")
 
     def close(self):
         self.closed = True
 
 
 class EchoRecommender:
-    """One message per request naming the bundle it was served with."""
+    """One message per request naming the bundle that prepared it; records its batches."""
 
     def __init__(self) -> None:
         self.batches: list[list] = []
 
-    def recommend(self, requests, bundle):
+    def prepare(self, requests, bundle):
         self.batches.append(list(requests))
+        return PreparedBatch(list(requests), bundle, None, [{} for _ in requests], {})
+
+    def finish(self, prepared):
         return [
             RecommendationMessage(
                 request_id=r.event.event_id,
                 user_id=r.user_id,
                 event_id=r.event.event_id,
                 items=[],
-                model_version=bundle.key,
+                model_version=prepared.bundle.key,
                 latency_ms=0.0,
                 covered_event_ids=[e.event_id for e in r.covered],
                 decoding={"path": "fake"},
             )  # fmt: skip
-            for r in requests
+            for r in prepared.requests
         ]
 
 
@@ -122,16 +171,43 @@ def record(partition: int, offset: int, event_id: str, user_id: str, item_id: st
     return Record(TOPIC, partition, offset, user_id.encode(), event.to_json_bytes())
 
 
-def make_worker(batches, producer=None, recommender=None, probe=lambda: "v1", **online):
-    settings = Settings(online={"batch_window_ms": 0, **online})
-    consumer = FakeConsumer(batches)
+def make_worker(
+    arrivals, producer=None, recommender=None, probe=lambda: "v1", paced=False, **online
+):
+    settings = Settings(online=online)
+    consumer = FakeConsumer(arrivals, paced)
     producer = producer or FakeProducer()
     versions = ServingVersions(probe, lambda key: ServingBundle(key)).start(background=False)
+
+    def factory(listener):
+        consumer.listener = listener
+        return consumer
+
     worker = OnlineWorker(
         settings, recommender or EchoRecommender(), versions,
-        consumer_factory=lambda listener: consumer, producer_factory=lambda: producer,
+        consumer_factory=factory, producer_factory=lambda: producer,
     )  # fmt: skip
+    worker.loop.stop_requested.wait = lambda timeout=None: False  # no retry back-off in tests
     return worker, consumer, producer, versions
+
+
+def in_background(worker: OnlineWorker, **run) -> threading.Thread:
+    thread = threading.Thread(target=worker.run, kwargs=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def run_listener(coroutine) -> None:
+    """Drive a rebalance coroutine as kafka-python's loop would (the fakes never suspend it)."""
+    with pytest.raises(StopIteration):
+        coroutine.send(None)
 
 
 def test_latest_event_per_user_is_the_request_and_offsets_commit_after_publish() -> None:
@@ -140,27 +216,26 @@ def test_latest_event_per_user_is_the_request_and_offsets_commit_after_publish()
         Record(TOPIC, 1, 6, b"x", b"not json"), record(0, 12, "a3", "alice"),
     ]  # fmt: skip
     worker, consumer, producer, _ = make_worker([batch])
-    report = worker.run(exit_when_idle_s=0)
+    report = worker.run(exit_when_idle_s=IDLE_S)
     answered = {m.event_id: m for _, m in producer.sent}
     assert set(answered) == {"a3", "b1"}
     assert answered["a3"].covered_event_ids == ["a1", "a2", "a3"]
     assert [key for key, _ in producer.sent] == [b"alice", b"bob"]
-    assert consumer.commits == [{TopicPartition(TOPIC, 0): 13, TopicPartition(TOPIC, 1): 7}]
+    # committed asynchronously once acknowledged, then once more, waited for, at the end
+    assert consumer.commits == [{TopicPartition(TOPIC, 0): 13, TopicPartition(TOPIC, 1): 7}] * 2
     assert report.requests == 2 and report.events == 5 and report.invalid_events == 1
     assert consumer.closed and producer.closed
 
 
 def test_failed_publish_is_not_committed_and_the_batch_is_retried() -> None:
     batch = [record(2, 40, "c1", "carol"), record(2, 41, "d1", "dave")]
-    # the consumer re-delivers the batch after the worker seeks back
-    worker, consumer, producer, _ = make_worker([batch, batch], FakeProducer(fail_first_sends=1))
-    worker.loop.stop_requested.wait = lambda timeout=None: False  # no retry back-off in tests
-    report = worker.run(exit_when_idle_s=0)
-    assert consumer.seeks == [(2, 40)]
-    assert consumer.commits == [{TopicPartition(TOPIC, 2): 42}]
+    worker, consumer, producer, _ = make_worker([batch], FakeProducer(fail_first_sends=1))
+    report = worker.run(exit_when_idle_s=IDLE_S)
+    assert consumer.seeks == [(2, 40)]  # read again from the batch's first offset
+    assert consumer.commits[0] == {TopicPartition(TOPIC, 2): 42}  # nothing before the retry
     # d1 went out in the failed batch too: at-least-once, consumers dedupe on request_id
     assert {m.event_id for _, m in producer.sent} == {"c1", "d1"}
-    assert report.publish_failures == 1
+    assert report.publish_failures == 1 and report.requests == 2
 
 
 def test_a_failing_recommender_rewinds_the_batch_and_turns_health_red() -> None:
@@ -169,104 +244,210 @@ def test_a_failing_recommender_rewinds_the_batch_and_turns_health_red() -> None:
             super().__init__()
             self.failures = failures
 
-        def recommend(self, requests, bundle):
+        def prepare(self, requests, bundle):
             if self.failures > 0:
                 self.failures -= 1
                 raise OSError("behavior store unreachable")
-            return super().recommend(requests, bundle)
+            return super().prepare(requests, bundle)
 
-    batch = [record(1, 7, "f1", "frank")]
-    recommender = FlakyRecommender(failures=3)
-    worker, consumer, producer, _ = make_worker([batch] * 4, recommender=recommender)
+    worker, consumer, producer, _ = make_worker(
+        [[record(1, 7, "f1", "frank")]], recommender=FlakyRecommender(failures=3)
+    )
     health = []
     worker.loop.stop_requested.wait = lambda timeout=None: (
         health.append(worker.health()[0]) or False
     )
-    worker.run(exit_when_idle_s=0)
+    worker.run(exit_when_idle_s=IDLE_S)
     assert consumer.seeks == [(1, 7)] * 3 and health == [True, True, False]
     assert [m.event_id for _, m in producer.sent] == ["f1"]
-    assert (
-        consumer.commits == [{TopicPartition(TOPIC, 1): 8}]
-        and worker.health()[1]["failing_batches"] == 0
-    )
+    assert consumer.committed == {TopicPartition(TOPIC, 1): 8}
+    assert worker.health()[1]["failing_batches"] == 0
 
 
-def test_big_batches_are_recommended_in_chunks_of_max_batch_users() -> None:
+def test_a_poll_beyond_max_batch_users_is_one_batch_and_one_commit() -> None:
     batch = [record(0, i, f"e{i}", f"user{i}") for i in range(7)]
     recommender = EchoRecommender()
     worker, consumer, producer, _ = make_worker([batch], recommender=recommender, max_batch_users=3)
-    worker.run(exit_when_idle_s=0)
-    assert [len(b) for b in recommender.batches] == [3, 3, 1]
-    assert len(producer.sent) == 7 and len(consumer.commits) == 1
+    worker.run(exit_when_idle_s=IDLE_S)
+    # the recommender decodes it in calls of max_batch_users (tests/test_online_recommender.py)
+    assert [len(b) for b in recommender.batches] == [7]
+    assert len(producer.sent) == 7 and consumer.commits[0] == {TopicPartition(TOPIC, 0): 7}
 
 
 def test_new_version_is_used_from_the_next_batch_on() -> None:
     active = {"key": "v1"}
-    batches = [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")]]
     recommender = EchoRecommender()
     worker, _, producer, versions = make_worker(
-        batches, recommender=recommender, probe=lambda: active["key"]
-    )
-    original = recommender.recommend
+        [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")]],
+        recommender=recommender, probe=lambda: active["key"],
+    )  # fmt: skip
+    original = recommender.prepare
 
     def switch_after_first(requests, bundle):
-        messages = original(requests, bundle)
+        prepared = original(requests, bundle)
         active["key"] = "v2"
         versions.check_now()
-        return messages
+        return prepared
 
-    recommender.recommend = switch_after_first
-    report = worker.run(exit_when_idle_s=0)
+    recommender.prepare = switch_after_first
+    report = worker.run(exit_when_idle_s=IDLE_S)
     assert [(m.event_id, m.model_version) for _, m in producer.sent] == [("e0", "v1"), ("e1", "v2")]
     assert report.versions == ["v1", "v2"]
 
 
 def test_stop_request_drains_the_batch_in_hand() -> None:
-    batches = [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")], [record(0, 2, "e2", "u2")]]
+    arrivals = [[record(0, 0, "e0", "u0")], [record(0, 1, "e1", "u1")], [record(0, 2, "e2", "u2")]]
     recommender = EchoRecommender()
-    worker, consumer, producer, _ = make_worker(batches, recommender=recommender)
-    original = recommender.recommend
+    worker, consumer, producer, _ = make_worker(arrivals, recommender=recommender)
+    original = recommender.prepare
 
     def stop_during_first(requests, bundle):
-        worker.request_stop()  # as SIGTERM would, while a batch is being served
+        worker.request_stop()  # as SIGTERM would, while a batch is being prepared
         return original(requests, bundle)
 
-    recommender.recommend = stop_during_first
+    recommender.prepare = stop_during_first
     worker.run()
     assert [m.event_id for _, m in producer.sent] == ["e0"]
-    assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}] and consumer.closed
+    assert consumer.committed == {TopicPartition(TOPIC, 0): 1} and consumer.closed
 
 
-def listening_worker(consumer: FakeConsumer) -> tuple[OnlineWorker, FakeProducer]:
-    """A worker with a 50 ms batch window whose rebalance listener ``consumer`` can call."""
+class GatedRecommender(EchoRecommender):
+    """Decoding waits for ``gate`` (set: no wait): the test decides when a batch finishes."""
 
-    def factory(listener):
-        consumer.listener = listener
-        return consumer
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.decoding = threading.Event()  # set while a batch waits at the gate
 
-    producer = FakeProducer()
-    worker = OnlineWorker(
-        Settings(online={"batch_window_ms": 50}), EchoRecommender(),
-        ServingVersions(lambda: "v", ServingBundle).start(background=False),
-        consumer_factory=factory, producer_factory=lambda: producer,
-    )  # fmt: skip
-    return worker, producer
+    def finish(self, prepared):
+        self.decoding.set()
+        self.gate.wait(WAIT_S)
+        self.decoding.clear()
+        return super().finish(prepared)
+
+
+def one_decoding_one_waiting():
+    """A worker with a decode thread: e0's batch decoding (held at the gate), f0's prepared
+    and waiting. The decode thread has no timing yet, so f0's was prepared at once."""
+    recommender = GatedRecommender()
+    worker, consumer, producer, _ = make_worker(
+        [[record(0, 0, "e0", "u0")]], recommender=recommender, decode_thread=True
+    )
+    thread = in_background(worker)
+    wait_until(recommender.decoding.is_set, "the first batch to decode")
+    consumer.arrivals.append([record(1, 0, "f0", "u1")])
+    wait_until(lambda: len(recommender.batches) == 2, "a second batch to be prepared")
+    return worker, consumer, producer, recommender, thread
+
+
+def test_with_a_decode_thread_the_next_batch_is_prepared_while_one_decodes() -> None:
+    worker, consumer, producer, recommender, thread = one_decoding_one_waiting()
+    # what comes next gathers behind the waiting batch until the decode thread takes it
+    consumer.arrivals.extend([[record(2, 0, "g0", "u2")], [record(0, 1, "e1", "u3")]])
+    wait_until(lambda: len(worker._open) == 2, "the other arrivals gathered")
+    assert consumer.commits == [] and len(recommender.batches) == 2
+    recommender.gate.set()
+    wait_until(lambda: len(producer.sent) == 4, "every answer")
+    worker.request_stop()
+    thread.join(WAIT_S)
+    assert [sorted(r.user_id for r in b) for b in recommender.batches] == [
+        ["u0"],
+        ["u1"],
+        ["u2", "u3"],
+    ]
+    assert consumer.committed == {TopicPartition(TOPIC, p): n for p, n in ((0, 2), (1, 1), (2, 1))}
+
+
+def test_a_batch_is_handed_over_at_once_while_the_decode_thread_is_idle() -> None:
+    worker, *_ = make_worker([])
+    worker.take_records({TopicPartition(TOPIC, 0): [record(0, 0, "e0", "u0")]}, time.monotonic())
+    assert worker.hand_over_in_s(window_left_s=0.0) <= 0  # no fixed window to wait out
+    assert worker.hand_over_in_s(window_left_s=0.02) > 0  # unless one is configured
+    worker.decoder.timer.record(1, 0.5)
+    worker.decoder._current = (time.monotonic(), 1)  # busy with a batch for ~0.5 s more
+    assert 0.3 < worker.hand_over_in_s(window_left_s=0.0) <= 0.5
+
+
+def two_batches_awaiting_acks(decode_thread: bool = False):
+    """A worker that sent e5's batch (partition 0), then f9's (partition 1), and waits for
+    Kafka: ``producer.futures`` stay pending until the test resolves them."""
+    arrivals = [[record(0, 5, "e5", "u0")], [record(1, 9, "f9", "u1")]]
+    producer = FakeProducer(manual=True)
+    worker, consumer, _, _ = make_worker(arrivals, producer=producer, decode_thread=decode_thread)
+    thread = in_background(worker)
+    wait_until(lambda: len(producer.futures) == 2, "both batches sent")
+    return worker, consumer, producer, thread
+
+
+BOTH_COMMITTED = {TopicPartition(TOPIC, 0): 6, TopicPartition(TOPIC, 1): 10}
+
+
+@pytest.mark.parametrize("decode_thread", [False, True])
+def test_commits_follow_the_acknowledgements_in_batch_order(decode_thread) -> None:
+    worker, consumer, producer, thread = two_batches_awaiting_acks(decode_thread)
+    producer.futures[1].success("ack")  # the second batch is acknowledged first ...
+    polls = consumer.polls
+    wait_until(lambda: consumer.polls > polls + 3, "a few more turns of the loop")
+    assert consumer.commits == []  # ... but it may not be committed before the first
+    producer.futures[0].success("ack")
+    wait_until(lambda: consumer.commits, "a commit")
+    assert consumer.commits[0] == BOTH_COMMITTED
+    worker.request_stop()
+    thread.join(WAIT_S)
+
+
+@pytest.mark.parametrize("decode_thread", [False, True])
+def test_a_failed_batch_rewinds_every_batch_after_it(decode_thread) -> None:
+    worker, consumer, producer, thread = two_batches_awaiting_acks(decode_thread)
+    producer.futures[1].success("ack")
+    producer.futures[0].failure(RuntimeError("broker said no"))
+    wait_until(lambda: len(producer.futures) == 4, "both read again and sent again")
+    assert sorted(consumer.seeks) == [(0, 5), (1, 9)]  # from their first offsets
+    for future in producer.futures[2:]:
+        future.success("ack")
+    wait_until(lambda: consumer.committed, "the retry committed")
+    worker.request_stop()
+    thread.join(WAIT_S)
+    assert consumer.committed == BOTH_COMMITTED and worker.report.publish_failures == 1
+
+
+def test_sigterm_finishes_every_batch_in_hand_before_closing() -> None:
+    worker, consumer, producer, recommender, thread = one_decoding_one_waiting()
+    worker.request_stop()
+    time.sleep(0.05)
+    assert thread.is_alive() and not consumer.closed  # still draining
+    recommender.gate.set()
+    thread.join(WAIT_S)
+    assert sorted(m.event_id for _, m in producer.sent) == ["e0", "f0"]
+    assert consumer.committed == {TopicPartition(TOPIC, 0): 1, TopicPartition(TOPIC, 1): 1}
+    assert consumer.closed and producer.closed
+
+
+def test_sigterm_waits_for_the_acknowledgements_of_every_batch_in_hand() -> None:
+    worker, consumer, producer, thread = two_batches_awaiting_acks()
+    worker.request_stop()
+    time.sleep(0.05)
+    assert thread.is_alive() and consumer.commits == []  # still waiting for Kafka
+    for future in producer.futures:
+        future.success("ack")
+    thread.join(WAIT_S)
+    assert consumer.committed == BOTH_COMMITTED and consumer.closed and producer.closed
 
 
 def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
     class RevokingConsumer(FakeConsumer):
         def poll(self, timeout_ms=0, max_records=None):
             polled = super().poll(timeout_ms, max_records)
-            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
+            if not polled and worker._open and not self.seeks:  # a rebalance mid-gathering
                 self.seeks.append("revoked")
-                self.listener.on_partitions_revoked([TopicPartition(TOPIC, 1)])
+                run_listener(self.listener.on_partitions_revoked([TopicPartition(TOPIC, 1)]))
             return polled
 
     consumer = RevokingConsumer([[record(0, 0, "e0", "u0"), record(1, 0, "f0", "u1")]])
     worker, producer = listening_worker(consumer)
-    worker.run(exit_when_idle_s=0.3)
+    worker.run(exit_when_idle_s=IDLE_S)
     assert [m.event_id for _, m in producer.sent] == ["e0"]
-    assert consumer.commits == [{TopicPartition(TOPIC, 0): 1}]
+    assert consumer.committed == {TopicPartition(TOPIC, 0): 1}
 
 
 def test_a_partition_assigned_back_is_read_again_from_its_first_dropped_record() -> None:
@@ -277,51 +458,111 @@ def test_a_partition_assigned_back_is_read_again_from_its_first_dropped_record()
     class RebalancingConsumer(FakeConsumer):
         def poll(self, timeout_ms=0, max_records=None):
             polled = super().poll(timeout_ms, max_records)
-            if not polled and worker._pending and not self.seeks:  # a rebalance mid-window
-                self.listener.on_partitions_revoked([tp0, tp1, tp2])
-                self.listener.on_partitions_assigned([tp1, tp2])  # tp0 went to another worker
+            if not polled and worker._open and not self.seeks:  # a rebalance mid-gathering
+                run_listener(self.listener.on_partitions_revoked([tp0, tp1, tp2]))
+                run_listener(self.listener.on_partitions_assigned([tp1, tp2]))
+                self.assigned = {tp1, tp2}  # tp0 went to another worker
             return polled
+
+        def assignment(self):
+            return getattr(self, "assigned", {tp0, tp1, tp2})
 
     consumer = RebalancingConsumer(
         [[record(0, 7, "e7", "u0"), record(1, 3, "f3", "u1"), record(1, 4, "f4", "u2")]]
     )
     worker, producer = listening_worker(consumer)
-    worker.run(exit_when_idle_s=0.3)
+    worker.run(exit_when_idle_s=IDLE_S)
     assert consumer.seeks == [(1, 3)]  # back to f3 on tp1; tp0 is its new owner's
-    assert producer.sent == [] and consumer.commits == []
+    assert sorted(m.event_id for _, m in producer.sent) == ["f3", "f4"]  # read again
+    assert consumer.committed == {tp1: 5}
+
+
+@pytest.mark.parametrize("decode_thread", [False, True])
+def test_a_revocation_waits_for_the_batches_in_flight_and_commits_them_first(
+    decode_thread,
+) -> None:
+    tp0 = TopicPartition(TOPIC, 0)
+    producer = FakeProducer(manual=True)
+    revoking, revoked = threading.Event(), threading.Event()
+
+    class RevokingConsumer(FakeConsumer):
+        def poll(self, timeout_ms=0, max_records=None):
+            if producer.futures and not revoking.is_set():  # a rebalance with a batch in flight
+                revoking.set()
+                run_listener(self.listener.on_partitions_revoked([tp0]))
+                revoked.set()
+            return super().poll(timeout_ms, max_records)
+
+    consumer = RevokingConsumer([[record(0, 3, "e3", "u0")]])
+    worker, _ = listening_worker(consumer, producer, decode_thread=decode_thread)
+    thread = in_background(worker)
+    wait_until(revoking.is_set, "the rebalance")
+    time.sleep(0.05)
+    assert not revoked.is_set() and consumer.commits == []  # it waits for the acknowledgement
+    producer.futures[0].success("ack")
+    wait_until(revoked.is_set, "the revocation to return")
+    assert consumer.commits == [{tp0: 4}]  # committed before the group moves on
+    worker.request_stop()
+    thread.join(WAIT_S)
+    assert worker.report.requests == 1 and consumer.commits == [{tp0: 4}]
+
+
+def listening_worker(
+    consumer: FakeConsumer, producer: FakeProducer | None = None, decode_thread: bool = False
+) -> tuple[OnlineWorker, FakeProducer]:
+    """A worker with a 50 ms batch window whose rebalance listener ``consumer`` can call."""
+
+    def factory(listener):
+        consumer.listener = listener
+        return consumer
+
+    producer = producer or FakeProducer()
+    worker = OnlineWorker(
+        Settings(online={"batch_window_ms": 50, "decode_thread": decode_thread}),
+        EchoRecommender(),
+        ServingVersions(lambda: "v", ServingBundle).start(background=False),
+        consumer_factory=factory, producer_factory=lambda: producer,
+    )  # fmt: skip
+    return worker, producer
 
 
 def test_health_reports_the_serving_version() -> None:
     worker, *_ = make_worker([])
     ok, details = worker.health()
-    assert ok and details["version"]["key"] == "v1"
+    assert ok and details["version"]["key"] == "v1" and details["decoding_batch_s"] == 0
     worker.request_stop()
     assert not worker.health()[0]
+
+
+def test_health_turns_red_when_one_batch_decodes_longer_than_the_stall_setting() -> None:
+    worker, *_ = make_worker([], health_stall_s=300.0)
+    worker.decoder._current = (time.monotonic() - 200, 8)
+    assert worker.health()[0]
+    worker.decoder._current = (time.monotonic() - 301, 8)
+    ok, details = worker.health()
+    assert not ok and details["decoding_batch_s"] >= 301
 
 
 def test_commits_failing_in_a_row_turn_health_red_until_one_succeeds() -> None:
     from kafka.errors import CommitFailedError
 
-    batches = [[record(0, offset, f"e{offset}", "alice")] for offset in range(4)]
-    worker, consumer, producer, _ = make_worker(batches)
-    outcomes = iter([CommitFailedError("rebalanced")] * 3 + [None])
-    commit, answer_batch = consumer.commit, worker._commit
+    arrivals = [[record(0, offset, f"e{offset}", "alice")] for offset in range(4)]
+    worker, consumer, producer, _ = make_worker(arrivals, paced=True)
+    consumer.commit_errors.extend([CommitFailedError("rebalanced")] * 3 + [None])
     health = []
+    real_poll = consumer.poll
 
-    def flaky_commit(offsets):
-        if (error := next(outcomes)) is not None:
-            raise error
-        commit(offsets)
+    def poll_and_check(**kwargs):
+        polled = real_poll(**kwargs)  # answers the commits issued before it
+        if consumer.commits and len(health) < len(consumer.commits):
+            health.append(worker.health()[0])
+        return polled
 
-    def commit_then_check(polled):
-        answer_batch(polled)
-        health.append(worker.health()[0])
-
-    consumer.commit, worker._commit = flaky_commit, commit_then_check
-    report = worker.run(exit_when_idle_s=0.3)
+    consumer.poll = poll_and_check
+    report = worker.run(exit_when_idle_s=IDLE_S)
     assert report.requests == 4 and len(producer.sent) == 4  # answered, once each
     assert health == [True, True, False, True]  # red from the third failure in a row
-    assert report.commit_failures == 3 and consumer.commits == [{TopicPartition(TOPIC, 0): 4}]
+    assert report.commit_failures == 3 and consumer.committed == {TopicPartition(TOPIC, 0): 4}
 
 
 def test_health_turns_red_when_the_loop_stalls_longer_than_the_setting() -> None:
@@ -340,7 +581,6 @@ def test_a_broker_outage_in_poll_is_ridden_out_and_shows_in_health() -> None:
     worker, consumer, producer, _ = make_worker(
         [[record(0, 1, "a1", "alice")], outage, outage, [record(0, 2, "a2", "alice")]]
     )
-    worker.loop.stop_requested.wait = lambda timeout=None: False  # no back-off in tests
     seen_in_outage = []
     real_poll = consumer.poll
 
@@ -350,28 +590,38 @@ def test_a_broker_outage_in_poll_is_ridden_out_and_shows_in_health() -> None:
 
     consumer.poll = poll
     # exit_when_idle_s=0 would end the run at the first empty poll: an outage must not.
-    report = worker.run(exit_when_idle_s=0)
+    report = worker.run(exit_when_idle_s=IDLE_S)
     assert [m.event_id for _, m in producer.sent] == ["a1", "a2"]
-    assert consumer.commits[-1] == {TopicPartition(TOPIC, 0): 3}
+    assert consumer.committed == {TopicPartition(TOPIC, 0): 3}
     assert report.requests == 2 and worker.loop.outage.errors == 2
     assert any(s > 0 for s in seen_in_outage) and worker.health()[1]["kafka_unreachable_s"] == 0
 
 
 def test_a_non_retriable_poll_error_stops_the_worker_and_closes_the_clients() -> None:
-    import pytest
     from kafka.errors import KafkaConfigurationError
 
     worker, consumer, producer, _ = make_worker([KafkaConfigurationError("bad sasl settings")])
     with pytest.raises(KafkaConfigurationError):
-        worker.run(exit_when_idle_s=0)
+        worker.run(exit_when_idle_s=IDLE_S)
     assert consumer.closed and producer.closed
 
 
 def test_health_turns_red_after_two_minutes_without_kafka() -> None:
-    import time
-
     worker, *_ = make_worker([])
     assert worker.health()[0]
     worker.loop.outage._since = time.monotonic() - 130  # an outage that began 130 s ago
     ok, details = worker.health()
     assert not ok and details["kafka_unreachable_s"] >= 130
+
+
+def test_the_batch_timer_fits_a_fixed_cost_beside_the_cost_per_user() -> None:
+    from genrec.online.batch_pipeline import BatchTimer
+
+    timer = BatchTimer()
+    assert timer.predict(4) is None
+    timer.record(1, 0.010)
+    assert timer.predict(8) == pytest.approx(0.010)  # one size seen: its mean time
+    for users in (1, 2, 4, 8, 2, 1):
+        timer.record(users, 0.006 + 0.004 * users)
+    assert timer.predict(16) == pytest.approx(0.070, rel=0.05)
+    assert timer.predict(1) == pytest.approx(0.010, rel=0.05)
