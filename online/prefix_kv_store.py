@@ -120,16 +120,21 @@ class LocalDirKVStore:
         digest = hashlib.sha1(user_id.encode("utf-8")).hexdigest()
         return f"{version_dir_name(kv_version)}/{digest[:2]}/{digest}.safetensors"
 
+    def _place(self, kv_version: int, entry: PrefixKVEntry) -> tuple[str, Path]:
+        """Where ``entry``'s file goes (relative to the root, and absolute), folder made."""
+        _check_version(entry, kv_version)
+        relative = self.relative_path(kv_version, entry.user_id)
+        target = self.root / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return relative, target
+
     def put_many(
         self, kv_version: int, entries_and_prefix_kvs: Iterable[tuple[PrefixKVEntry, PrefixKV]]
     ) -> None:
         """Write each file (temp name, then rename), then index the batch in one transaction."""
         rows = []
         for entry, prefix_kv in entries_and_prefix_kvs:
-            _check_version(entry, kv_version)
-            relative = self.relative_path(kv_version, entry.user_id)
-            target = self.root / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
+            relative, target = self._place(kv_version, entry)
             partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
             self.codec.save(partial, prefix_kv)
             os.replace(partial, target)
@@ -146,10 +151,7 @@ class LocalDirKVStore:
         """
         rows = []
         for new, old in new_and_old:
-            _check_version(new, kv_version)
-            relative = self.relative_path(kv_version, new.user_id)
-            target = self.root / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
+            relative, target = self._place(kv_version, new)
             if target.exists():
                 target.unlink()
             try:
