@@ -12,8 +12,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "serve",
         help="answer user events with recommendations (the online worker)",
         description="Consume genrec.user-events (group genrec-online), recommend for each user's "
-        "latest event and publish to genrec.recommendations; offsets are committed after Kafka "
-        "acknowledges. SIGTERM/SIGINT finish the batch in hand and exit 0.",
+        "latest event and publish to genrec.recommendations; a batch is decoded as soon as the "
+        "decoder is free, and its offsets are committed once Kafka has acknowledged all its "
+        "answers. SIGTERM/SIGINT finish the batches in hand and exit 0.",
     )
     serve.add_argument(
         "--exit-when-idle",
