@@ -90,7 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"genrec: unknown settings\n{unknown_problems(unknown)}", file=sys.stderr)
         return 2
-    configure_logging(args.log_level or settings.log_level, settings.log_format)
+    configure_logging(
+        args.log_level or settings.log_level, settings.log_format, settings.log_levels
+    )
     try:
         result = handler(args)
     except KeyboardInterrupt:

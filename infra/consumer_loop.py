@@ -32,6 +32,15 @@ is raised to the caller. The consumer itself is fine and reconnects once the
 broker is back, so a service must neither die on such an error (a restart of
 the whole process would not bring the broker back sooner) nor spin on it.
 
+kafka-python 3.0.12 can also lose a group join (``rejoin_lost_join``): when the
+group leader rejoins because its topics' metadata changed (partitions added, or
+metadata that arrived after the first assignment) and a poll's timeout ends
+while JoinGroup/SyncGroup is on the wire, the next poll no longer sees a rejoin
+as needed, the join's answer is never applied, and the member holds no partitions
+(with its heartbeat off) until something else rebalances the group, minutes
+later. The worker's short polls while a batch is in flight hit it after a
+restart; after every poll the join is asked for again when that state shows.
+
 Example::
 
     >>> loop = ConsumerLoop("ingest", handler, health_stall_s=120, idle_poll_ms=1000)  # doctest: +SKIP
@@ -73,6 +82,7 @@ class OutagePoll:
         self.max_backoff_s = max_backoff_s
         self.log_every_s = log_every_s
         self.errors = 0  # retriable poll errors since the process started
+        self.lost_joins = 0  # joins kafka-python dropped and that were asked for again
         self._since: float | None = None  # when the current outage began
         self._backoff_s = first_backoff_s
         self._logged_at = 0.0
@@ -86,6 +96,9 @@ class OutagePoll:
                 raise
             self._on_error(exc)
             return {}
+        finally:
+            if rejoin_lost_join(consumer, self.component):
+                self.lost_joins += 1
         if self._since is not None:
             kafka_log.info("%s: Kafka answers again after %.0f s", self.component, self.outage_s())
             self._since = None
@@ -115,6 +128,32 @@ class OutagePoll:
         # An Event wait, not sleep: SIGTERM (which sets ``stop``) ends the back-off at once.
         self._stop.wait(self._backoff_s)
         self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+
+
+def rejoin_lost_join(consumer: Any, component: str = "kafka") -> bool:
+    """Ask for the group join again if kafka-python finished one without applying it.
+
+    The state (see the module docstring): a join task that is done, left behind by
+    a poll that timed out while waiting for it, and a coordinator that no longer
+    thinks a rejoin is needed, so no later poll collects the join's assignment.
+    Requesting a rejoin makes the next poll send a fresh JoinGroup, which the
+    coordinator answers at once. Returns whether it had to. It reads kafka-python
+    internals, so anything unexpected (another version, another client) is left alone.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    join_task = getattr(coordinator, "_join_task", None)
+    if join_task is None or not getattr(join_task, "is_done", False):
+        return False
+    try:
+        if coordinator.need_rejoin():
+            return False  # the next poll collects or redoes the join itself
+        coordinator.request_rejoin()
+    except Exception:  # noqa: BLE001 - a guard for a client bug must never break a poll
+        log.debug("could not check the group join", exc_info=True)
+        return False
+    kafka_log.warning("%s: the Kafka client dropped a group join; joining again", component)
+    metrics.ERRORS.labels(component=component, kind="lost_join").inc()
+    return True
 
 
 class BatchHandler(ABC):

@@ -26,10 +26,40 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def configure_logging(level: str = "INFO", fmt: str | None = None) -> None:
-    """Send genrec's logs to stderr as text or JSON lines (``log_format``); quiet chatty clients."""
+class _CurrentStderr(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at each record, not the one at set-up: a caller
+    that swaps it (a test harness, a daemon redirecting its output) never gets records
+    written into a closed file."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - logging.StreamHandler's own attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
+def parse_log_levels(spec: str) -> dict[str, str]:
+    """``"kafka.coordinator=DEBUG,genrec.online=WARNING"`` -> {logger: level}; a clear error."""
+    levels: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, level = part.partition("=")
+        level = level.strip().upper()
+        if not sep or not name.strip() or level not in logging.getLevelNamesMapping():
+            raise ValueError(f"log_levels: {part!r} is not logger=LEVEL (e.g. kafka=DEBUG)")
+        levels[name.strip()] = level
+    return levels
+
+
+def configure_logging(level: str = "INFO", fmt: str | None = None, levels: str = "") -> None:
+    """Send genrec's logs to stderr as text or JSON lines (``log_format``); quiet chatty
+    clients, then apply per-logger ``levels`` (``log_levels``: ``kafka.coordinator=DEBUG``)."""
     fmt = fmt or "text"
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -41,3 +71,5 @@ def configure_logging(level: str = "INFO", fmt: str | None = None) -> None:
     root.setLevel(level.upper())
     for noisy in ("kafka", "urllib3", "filelock", "httpx", "apscheduler.executors", "faiss"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name, name_level in parse_log_levels(levels).items():
+        logging.getLogger(name).setLevel(name_level)

@@ -22,13 +22,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from genrec.infra.logs import parse_log_levels
 
 
 def _default_home() -> Path:
@@ -329,6 +331,8 @@ class Settings(BaseSettings):
     database_url: str | None = None
     log_level: str = "INFO"
     log_format: Literal["text", "json"] = "text"  # json: one object per line, for log shippers
+    # Per-logger levels over log_level, e.g. "kafka.coordinator=DEBUG,genrec.online=WARNING".
+    log_levels: str = ""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     ingest: IngestSettings = Field(default_factory=IngestSettings)
     semantic_ids: SemanticIdSettings = Field(default_factory=SemanticIdSettings)
@@ -338,6 +342,12 @@ class Settings(BaseSettings):
     recall: RecallSettings = Field(default_factory=RecallSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+
+    @field_validator("log_levels")
+    @classmethod
+    def _known_levels(cls, value: str) -> str:
+        parse_log_levels(value)  # a typo fails at start-up, not silently at DEBUG time
+        return value
 
     @model_validator(mode="after")
     def _fill_paths(self) -> Settings:

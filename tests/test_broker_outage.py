@@ -1,4 +1,5 @@
-"""OutagePoll (infra/consumer_loop.py): retriable poll errors become empty polls, logged sparingly."""
+"""OutagePoll (infra/consumer_loop.py): retriable poll errors become empty polls, logged sparingly;
+a group join the Kafka client dropped is asked for again."""
 
 from __future__ import annotations
 
@@ -65,3 +66,92 @@ def test_a_stop_request_ends_the_back_off_at_once():
     stop.set()
     guard = OutagePoll("ingest", stop=stop, first_backoff_s=60.0)
     assert guard.poll(ScriptedConsumer([KafkaConnectionError("refused")])) == {}  # not after 60 s
+
+
+# --- a group join kafka-python dropped (rejoin_lost_join) -----------------------------
+
+
+class FakeJoin:
+    def __init__(self, is_done: bool) -> None:
+        self.is_done = is_done
+
+
+class FakeCoordinator:
+    def __init__(self, join_task, need_rejoin: bool) -> None:
+        self._join_task = join_task
+        self.needs = need_rejoin
+        self.requested = 0
+
+    def need_rejoin(self) -> bool:
+        return self.needs
+
+    def request_rejoin(self) -> None:
+        self.requested += 1
+        self.needs = True
+
+
+class GroupConsumer(ScriptedConsumer):
+    def __init__(self, script, coordinator) -> None:
+        super().__init__(script)
+        self._coordinator = coordinator
+
+
+@pytest.mark.parametrize(
+    ("join_task", "need_rejoin", "asked"),
+    [
+        (None, False, 0),  # joined, nothing pending
+        (FakeJoin(is_done=False), False, 0),  # on the wire: a later poll waits for it
+        (FakeJoin(is_done=True), True, 0),  # the next poll collects or redoes it
+        (FakeJoin(is_done=True), False, 1),  # dropped: nobody would ever apply it
+    ],
+)
+def test_a_dropped_join_is_asked_for_again_and_nothing_else(join_task, need_rejoin, asked) -> None:
+    coordinator = FakeCoordinator(join_task, need_rejoin)
+    guard = OutagePoll("online")
+    assert guard.poll(GroupConsumer([{}], coordinator), timeout_ms=1) == {}
+    assert coordinator.requested == asked and guard.lost_joins == asked
+
+
+def test_a_consumer_without_a_group_or_another_client_is_left_alone() -> None:
+    guard = OutagePoll("online")
+    assert guard.poll(ScriptedConsumer([{"tp": [1]}])) == {"tp": [1]}
+    broken = FakeCoordinator(FakeJoin(is_done=True), need_rejoin=False)
+    broken.need_rejoin = lambda: (_ for _ in ()).throw(RuntimeError("another version"))
+    assert guard.poll(GroupConsumer([{}], broken)) == {} and guard.lost_joins == 0
+
+
+@pytest.mark.integration
+def test_a_leader_polling_briefly_gets_the_partitions_added_to_its_topic(kafka_broker) -> None:
+    """The real kafka-python bug: without the guard this consumer keeps its 2 partitions."""
+    import uuid
+
+    from kafka import KafkaAdminClient, KafkaConsumer
+    from kafka.admin import NewPartitions, NewTopic
+
+    from tests.helpers import wait_for
+
+    topic = f"genrec.lost-join.{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+    consumer = KafkaConsumer(
+        bootstrap_servers=kafka_broker.bootstrap, group_id=f"g-{topic}",
+        enable_auto_commit=False, session_timeout_ms=6000, heartbeat_interval_ms=2000,
+        metadata_max_age_ms=500,  # see the new partitions soon
+    )  # fmt: skip
+    guard = OutagePoll("online")
+
+    def holds(partitions: int, poll_ms: int) -> bool:
+        guard.poll(consumer, timeout_ms=poll_ms)
+        return len(consumer.assignment()) == partitions
+
+    try:
+        admin.create_topics([NewTopic(topic, 2, 1)])
+        consumer.subscribe([topic])
+        wait_for(lambda: holds(2, poll_ms=100), 60, "the first assignment")
+        admin.create_partitions({topic: NewPartitions(6)})
+        # 1 ms polls: the join in reaction to the new partitions outlives the poll that
+        # starts it, which is where kafka-python 3.0.12 drops it.
+        wait_for(lambda: holds(6, poll_ms=1), 60, "all 6 partitions")
+        print(f"joins the guard asked for again: {guard.lost_joins}")  # 0 once fixed upstream
+    finally:
+        consumer.close()
+        admin.close()
