@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from genrec.infra.progress import progress_bar
 from genrec.online.decoding.engine import batched_beam_search, strict_acceptance_per_level
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.prompts import ItemTokens, history_prompt
@@ -87,7 +87,7 @@ def decode_batched(
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     parts: list[BeamResult] = []
     starts = range(0, len(order), batch_size)
-    for start in tqdm(starts, desc="beam search", disable=not progress, leave=False):
+    for start in progress_bar(starts, desc="beam search", disable=not progress, leave=False):
         rows = order[start : start + batch_size]
         batch = [list(prompts[i]) for i in rows]
         excluded = [exclude[i] for i in rows] if exclude is not None else None
