@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from tqdm import tqdm
 
 from genrec.infra.database import make_engine
 from genrec.infra.errors import UserFacingError
+from genrec.infra.progress import progress_bar
 from genrec.infra.settings import Settings
 from genrec.ingest.movielens import load_ml100k
 from genrec.ingest.store import upsert_items
@@ -247,7 +247,7 @@ def replay_events(
     began = time.monotonic()
     try:
         for i, (key, value) in enumerate(
-            tqdm(messages, desc="replay", unit="ev", disable=not progress)
+            progress_bar(messages, desc="replay", unit="ev", disable=not progress)
         ):
             producer.send(topic, key=key, value=value).add_errback(failures.append)
             if rate:

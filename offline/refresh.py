@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, func, insert, select, update
-from tqdm.auto import tqdm
 
+from genrec.infra.progress import progress_bar
 from genrec.infra.serving_versions import (
     activate,
     active_serving_version,
@@ -327,7 +327,7 @@ class _Run:
         todo = sorted(todo, key=lambda pair: len(pair[1]))  # similar lengths: less padding
         batch_size = self.settings.refresh.kv_batch_size
         batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
-        for batch in tqdm(batches, desc="prefix KV", unit="batch", leave=False):
+        for batch in progress_bar(batches, desc="prefix KV", unit="batch", leave=False):
             self._check_cancel()
             prompts = [prompt for _entry, prompt in batch]
             prefix_kvs = self.steps.compute_prefix_kv(models.target, prompts, model_version)

@@ -52,10 +52,10 @@ import numpy as np
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
-from tqdm import tqdm
 
 from genrec.app.services import skip_group_to_end, stop_service
 from genrec.infra.database import make_engine
+from genrec.infra.progress import progress_bar
 from genrec.infra.topics import create_topics, subscribe_when_ready
 from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.schemas.events import UserEvent
@@ -348,7 +348,7 @@ def send_on_schedule(
     scheduled: dict[str, float] = {}
     lags: list[float] = []
     start = time.monotonic() + START_LEAD_S
-    bar = tqdm(offsets, desc=tag, unit="ev", leave=False, disable=not progress)
+    bar = progress_bar(offsets, desc=tag, unit="ev", leave=False, disable=not progress)
     for offset in bar:
         due = start + float(offset)
         wait = due - time.monotonic()

@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from genrec.infra.database import make_engine
+from genrec.infra.progress import progress_bar
 from genrec.infra.serving_versions import active_serving_version
 from genrec.infra.settings import get_settings
 from genrec.ingest.history import load_user_histories
@@ -119,7 +119,7 @@ def _requests(models, histories, suffix_events: int):
     tokens, depth = models.item_tokens, models.item_tokens.layout.depth
     full, cached, files = [], [], []
     folder = Path(tempfile.mkdtemp(prefix="genrec-bench-kv-"))
-    for n, history in enumerate(tqdm(histories, desc="prefix KV", leave=False)):
+    for n, history in enumerate(progress_bar(histories, desc="prefix KV", leave=False)):
         items = tokens.known(history)[-models.history_items :]
         prompt = models.prompt(items)
         prefix = prompt[: len(prompt) - suffix_events * depth]
@@ -138,7 +138,7 @@ def _measure(decoder, full, cached, batch_size: int, beam_width: int, repeats: i
         decoder.decode(side[:batch_size], beam_width)
     passes: dict[str, list[float]] = {"full": [], "cached": []}
     results: dict[str, list] = {}
-    for _ in tqdm(range(repeats), desc=f"batch {batch_size}", leave=False):
+    for _ in progress_bar(range(repeats), desc=f"batch {batch_size}", leave=False):
         for name, side in (("full", full), ("cached", cached)):
             started = time.perf_counter()
             items, calls = [], []

@@ -33,8 +33,8 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, select
-from tqdm.auto import tqdm
 
+from genrec.infra.progress import progress_bar
 from genrec.schemas.tables import events, items
 
 DEFAULT_TEXT_MODEL = "all-MiniLM-L6-v2"
@@ -181,7 +181,7 @@ def _encode_with_model(
     model = SentenceTransformer(text_model_path(model_name), device=device)
     chunks = []
     starts = range(0, len(texts), batch_size)
-    for start in tqdm(starts, desc="embed item texts", unit="batch", disable=not progress):
+    for start in progress_bar(starts, desc="embed item texts", unit="batch", disable=not progress):
         batch = texts[start : start + batch_size]
         vectors = model.encode(
             batch, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
-from tqdm.auto import tqdm
+
+from genrec.infra.progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,9 @@ def train_rqvae(
     optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     stats = TrainingStats(dead_code_resets=[0] * config.levels)
     batches_per_epoch = math.ceil(len(x) / config.batch_size)
-    bar = tqdm(range(config.epochs), desc="train RQ-VAE", unit="epoch", disable=not progress)
+    bar = progress_bar(
+        range(config.epochs), desc="train RQ-VAE", unit="epoch", disable=not progress
+    )
     for _ in bar:
         order = torch.randperm(len(x), generator=generator).to(device)
         usage = torch.zeros(config.levels, config.codes_per_level, device=device)

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
+from genrec.infra.progress import progress_bar
 from genrec.offline.splits import Split
 from genrec.offline.training.target import TrainResult, make_optimizer, train_target
 from genrec.online.decoding.trie import ItemTrie
@@ -156,8 +156,8 @@ def make_teacher_data(
         raise ValueError(f"teacher beams need at least k={k} items in the catalog")
     beams = decoded.tokens.to(device)
     log_probs = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="teacher logits",
-                      disable=not progress, leave=False):  # fmt: skip
+    for start in progress_bar(range(0, len(prompts), batch_size), desc="teacher logits",
+                              disable=not progress, leave=False):  # fmt: skip
         chunk = beams[start : start + batch_size]
         logits = beam_logits(target, item_tokens.layout, prompts[start : start + batch_size], chunk)
         log_probs.append(level_log_probs(logits.float(), chunk, tree).cpu())
@@ -265,7 +265,7 @@ def align_draft(
     step = 0
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
-    bar = tqdm(total=total_steps, desc=f"draft {variant}", disable=not progress)
+    bar = progress_bar(total=total_steps, desc=f"draft {variant}", disable=not progress)
     for _epoch in range(preset.draft_epochs):
         losses = []
         order = torch.as_tensor(rng.permutation(count))

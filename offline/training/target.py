@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from genrec.infra.progress import progress_bar
 from genrec.offline.splits import Case, Split
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.generative import decode_batched
@@ -357,7 +357,7 @@ def train_target(
     curves: dict[str, list[float]] = {"train_loss": [], "valid_loss": [], "valid_hr@10": []}
     best = {"hr": -1.0, "state": None, "epoch": 0}
     stale = 0
-    bar = tqdm(total=total_steps, desc=f"target {preset.name}", disable=not progress)
+    bar = progress_bar(total=total_steps, desc=f"target {preset.name}", disable=not progress)
     for epoch in range(1, preset.epochs + 1):
         batches = epoch_batches(sequences, preset, history_items, rng, ties)
         epoch_losses = _train_epoch(model, loss_fn, run, batches, item_tokens, bar, epoch)
