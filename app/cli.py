@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 
 from genrec.infra.errors import UserFacingError
 from genrec.infra.logs import configure_logging
+from genrec.infra.progress import quiet_library_bars
 from genrec.infra.settings import get_settings, unknown_variables
 
 # Modules that add subcommands, in the order they appear in --help.
@@ -93,6 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(
         args.log_level or settings.log_level, settings.log_format, settings.log_levels
     )
+    quiet_library_bars()  # before a handler imports transformers
     try:
         result = handler(args)
     except KeyboardInterrupt:

@@ -14,7 +14,9 @@ when it ends::
 With ``GENREC_LOG_FORMAT=json`` each line also carries its figures as fields
 (``progress``, ``n``, ``total``, ``unit``, ``elapsed_s``, ``rate_per_s``,
 ``eta_s``, ``final``, ``postfix``); ``GENREC_LOG_LEVELS=genrec.progress=WARNING``
-silences them.
+silences them. ``quiet_library_bars()`` (called by the ``genrec`` entry point)
+turns off the bars Hugging Face libraries draw themselves (loading and saving
+weights) when stderr is not a terminal.
 
 Example::
 
@@ -29,12 +31,11 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
-
-from tqdm import tqdm
 
 log = logging.getLogger("genrec.progress")
 
@@ -73,6 +74,17 @@ def stderr_is_terminal() -> bool:
         return False
 
 
+def quiet_library_bars() -> None:
+    """Off a terminal, switch off the tqdm bars of Hugging Face libraries (transformers draws
+    one while it loads or saves weights): ``HF_HUB_DISABLE_PROGRESS_BARS=1`` unless set.
+
+    Read when those libraries are imported, so call it first (the entry point does);
+    child processes inherit it, and an explicit ``HF_HUB_DISABLE_PROGRESS_BARS=0`` wins.
+    """
+    if not stderr_is_terminal():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
 def progress_bar(
     iterable: Iterable[T] | None = None,
     *,
@@ -89,6 +101,9 @@ def progress_bar(
     logs its final line. ``disable`` turns either off (``write`` still writes).
     """
     if stderr_is_terminal():
+        # Imported here: tqdm takes ~40 ms, and the entry point imports this module.
+        from tqdm import tqdm
+
         return tqdm(iterable, desc=desc, total=total, unit=unit, disable=disable, leave=leave)
     return ProgressLog(
         iterable, desc=desc, total=total, unit=unit, disable=disable, every_s=every_s

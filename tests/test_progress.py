@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import sys
 
 import pytest
@@ -16,6 +17,7 @@ from genrec.infra.progress import (
     format_duration,
     format_rate,
     progress_bar,
+    quiet_library_bars,
     stderr_is_terminal,
 )
 
@@ -152,3 +154,16 @@ def test_formats() -> None:
     assert format_rate(1_234.5, "ev") == "1,234 ev/s"
     assert format_rate(3.456, "it") == "3.46 it/s"
     assert format_rate(0.5, "epoch") == "2 s/epoch"
+
+
+def test_library_bars_are_switched_off_off_a_terminal(monkeypatch) -> None:
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    quiet_library_bars()
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    quiet_library_bars()
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the operator's choice wins
+    quiet_library_bars()
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
