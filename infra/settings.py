@@ -185,6 +185,11 @@ class DecodeSettings(BaseModel):
     fallback_threshold: float = Field(default=0.2, ge=0.0, le=1.0)  # below: target-only
     fallback_probe_every: int = Field(default=20, ge=1)  # while fallen back, speculate every Nth
     seed: int = 0  # relaxed sampling
+    # The serving models' number format (online/models/runtime.py). auto: bfloat16 on a
+    # CUDA GPU that has it, float32 elsewhere; float32 is the exact one.
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # torch.compile of the decoder stacks; reduce-overhead replays CUDA graphs on a GPU.
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
 
 
 class ModelSettings(BaseModel):

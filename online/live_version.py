@@ -184,6 +184,7 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     model version before the refresh activates the serving version that pins it.
     """
     # Lazy: torch and transformers load only in a process that loads a model.
+    from genrec.online.models.runtime import apply_runtime
     from genrec.online.models.store import load_model_version
 
     pinned = serving_version_row(engine, key)
@@ -193,6 +194,7 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     models.target.eval()
     for draft in models.drafts.values():
         draft.eval()
+    apply_runtime(models, settings.decode.dtype, settings.decode.compile)
     return ServingBundle(
         key=key,
         decoder=ModelDecoder(models, settings.online),

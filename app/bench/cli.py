@@ -100,10 +100,24 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "--align-steps", type=int, default=150,
         help="distil a random draft towards the random target this many steps first (cached)",
     )  # fmt: skip
+    add_runtime_args(decode)
     decode.add_argument("--json", type=Path, default=None, help="default: var/bench/decode.json")
     decode.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
     decode.set_defaults(handler=_bench_decode)
     _register_load(bench)
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --compile: the decoding runtime (online/models/runtime.py)."""
+    parser.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=None,
+        help="the models' number format while decoding (default: settings decode.dtype)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile", choices=["off", "default", "reduce-overhead", "max-autotune"], default=None,
+        help="torch.compile the decoder stacks; reduce-overhead: CUDA graphs on a GPU "
+        "(default: settings decode.compile)",
+    )  # fmt: skip
 
 
 def _register_load(bench: argparse._SubParsersAction) -> None:
@@ -158,6 +172,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         print_report,
         run_decode_bench,
     )
+    from genrec.online.models.runtime import apply_runtime
 
     settings = get_settings()
     torch.set_num_threads(args.threads)
@@ -171,6 +186,9 @@ def _bench_decode(args: argparse.Namespace) -> int:
             "bench", f"draft-{models.model_version}-{args.align_steps}.safetensors"
         )
         align_random_draft(models, args.align_steps, cache, seed=args.seed)
+    runtime = apply_runtime(
+        models, args.dtype or settings.decode.dtype, args.compile or settings.decode.compile
+    )
     json_path = args.json or settings.path("bench", "decode.json")
     report = run_decode_bench(
         models,
@@ -182,6 +200,7 @@ def _bench_decode(args: argparse.Namespace) -> int:
         png_path=args.png or json_path.with_suffix(".png"),
         clock=args.clock,
         n_draft=args.n_draft,
+        runtime=runtime,
     )
     print_report(report)
     return 0

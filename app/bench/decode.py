@@ -53,7 +53,7 @@ from genrec.online.decoding.engine import batched_beam_search, batched_speculati
 from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument, compute_prefix_kv
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.item_vectors import attach_item_vectors
-from genrec.online.models.presets import PRESETS, build_draft, build_target
+from genrec.online.models.presets import PRESETS, build_draft, build_target, pick_device
 from genrec.online.models.store import NoActiveModels, load_model_version
 from genrec.schemas.token_layout import TokenLayout
 
@@ -107,8 +107,9 @@ def load_models(preset: str = "random", seed: int = 0) -> BenchModels:
         )
     codes, n_items, target_shape, draft_shape, dtype, n_users, history = RANDOM_PRESETS[preset]
     layout, items = random_catalog(codes, n_items, seed=seed)
-    target = random_llama(layout, *target_shape, seed=seed + 1, dtype=dtype)
-    draft = random_llama(layout, *draft_shape, seed=seed + 2, dtype=dtype)
+    device = pick_device()
+    target = random_llama(layout, *target_shape, seed=seed + 1, dtype=dtype).to(device)
+    draft = random_llama(layout, *draft_shape, seed=seed + 2, dtype=dtype).to(device)
     generator = torch.Generator().manual_seed(seed + 3)
     lengths = torch.randint(history[0], history[1] + 1, (n_users,), generator=generator).tolist()
     prompts = random_prompts(items, lengths, seed=seed + 4, bos=layout.bos_token_id)
@@ -118,7 +119,7 @@ def load_models(preset: str = "random", seed: int = 0) -> BenchModels:
         for p, h, n in zip(prompts, held_out, lengths, strict=True)
     ]
     return BenchModels(
-        target, draft, layout, ItemTrie(items, layout), users, f"{preset}-seed{seed}"
+        target, draft, layout, ItemTrie(items.to(device), layout), users, f"{preset}-seed{seed}"
     )
 
 
@@ -228,11 +229,15 @@ ML100K_ITEMS = 1682
 PROMPT_ITEMS, SUFFIX_ITEMS = 42, 2  # 1 + 42 * 4 = 169 prompt tokens, 8 of them the suffix
 
 
-def bench_models(shape: str = "small", n_users: int = 64, seed: int = 0) -> BenchModels:
+def bench_models(
+    shape: str = "small", n_users: int = 64, seed: int = 0, device: torch.device | None = None
+) -> BenchModels:
     """Random models of preset ``shape`` (``"small"``; ``"null"``: 1 layer x 8 for target and
-    draft) over an ML-100K-shaped random catalog, and ``n_users`` users."""
+    draft) over an ML-100K-shaped random catalog, and ``n_users`` users, on ``device``
+    (default: CPU)."""
+    device = torch.device(device or "cpu")
     layout, items = random_catalog(ML100K_CODES, ML100K_ITEMS, seed=seed)
-    trie = ItemTrie(items, layout)
+    trie = ItemTrie(items.to(device), layout)
     torch.manual_seed(seed)
     if shape == "null":
         target = random_llama(layout, 1, 8, seed=seed + 1, heads=2)
@@ -242,6 +247,7 @@ def bench_models(shape: str = "small", n_users: int = 64, seed: int = 0) -> Benc
         target, draft = build_target(preset, layout).eval(), build_draft(preset, layout).eval()
         if preset.item_vector_dim:
             attach_item_vectors(target, trie, torch.randn(trie.n_items, preset.item_vector_dim))
+    target, draft = target.to(device), draft.to(device)
     prompts = random_prompts(
         items, [PROMPT_ITEMS] * n_users, seed=seed + 3, bos=layout.bos_token_id
     )
@@ -297,6 +303,7 @@ def run_decode_bench(
     png_path: Path | None = None,
     clock: str = "auto",
     n_draft: int | None = None,
+    runtime: dict | None = None,
 ) -> dict:
     """Time every mode for every (K, batch size) on the same users; returns the JSON report.
 
@@ -348,6 +355,7 @@ def run_decode_bench(
         "gamma": decode.gamma,
         "threads": torch.get_num_threads(),
         "device": str(next(models.target.parameters()).device),
+        "runtime": runtime or {"dtype": "float32", "compile": "off"},
         "lossless": lossless,
         "rows": rows,
         "speedup": _headline(rows, batch_sizes),
@@ -371,7 +379,7 @@ def resolve_clock(clock: str, device: torch.device) -> str:
     return "wall" if device.type == "cuda" else "cpu"
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -412,10 +420,10 @@ def _bench_config(models, users, target_kv, draft_kvs, suffixes, k, bs, n_draft,
     for mode in MODES:
         wall_ms, cpu_ms = [], []
         for rows in batches:
-            _synchronize(device)
+            synchronize(device)
             wall, cpu = time.perf_counter(), time.process_time()
             results[mode].append(run(mode, rows))
-            _synchronize(device)
+            synchronize(device)
             cpu_ms.append(1000 * (time.process_time() - cpu) / len(rows))
             wall_ms.append(1000 * (time.perf_counter() - wall) / len(rows))
         row[mode] = _mode_summary(wall_ms, cpu_ms, clock, results[mode], users, batches)
@@ -614,10 +622,10 @@ def measure_verification(
         call()
         samples = []
         for _ in range(repeats):
-            _synchronize(device)
+            synchronize(device)
             start = now()
             call()
-            _synchronize(device)
+            synchronize(device)
             samples.append(1000 * (now() - start))
         timings[f"{name}_ms"] = statistics.median(samples)
     timings.update(prompt_tokens=len(prompt), k=k, n_draft=n_draft, gamma=gamma)

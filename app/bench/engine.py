@@ -31,12 +31,22 @@ from pathlib import Path
 
 import torch
 
-from genrec.app.bench.decode import BenchModels, bench_models, null_model_overhead, prefix_batches
+from genrec.app.bench.cli import add_runtime_args
+from genrec.app.bench.decode import (
+    BenchModels,
+    bench_models,
+    null_model_overhead,
+    prefix_batches,
+    resolve_clock,
+    synchronize,
+)
 from genrec.online.decoding.engine import (
     DecodeResult,
     batched_beam_search,
     batched_speculative_beam_search,
 )
+from genrec.online.models.presets import pick_device
+from genrec.online.models.runtime import apply_runtime
 
 
 def mode_calls(models: BenchModels, k: int, n_draft: int, gamma: int) -> dict[str, Callable]:
@@ -71,9 +81,12 @@ def compare_modes(
     modes: tuple[str, ...] = ("target", "strict", "relaxed"),
     repeats: int = 1,
 ) -> dict:
-    """ms per request (median over batches, process CPU time) for every mode x batch size,
-    target and draft calls per request, and whether strict's items equal target-only's."""
+    """ms per request (median over batches; process CPU time, or wall time with the GPU
+    synchronized on CUDA) for every mode x batch size, target and draft calls per request,
+    and whether strict's items equal target-only's."""
     users = models.eval_users[:n_users]
+    device = next(models.target.parameters()).device
+    clock = time.perf_counter if resolve_clock("auto", device) == "wall" else time.process_time
     calls = {
         name: call
         for name, call in mode_calls(models, k, max(n_draft, k), gamma).items()
@@ -92,9 +105,11 @@ def compare_modes(
             times, results[name] = [], []
             for _ in range(repeats):
                 for batch, batch_input in zip(batches, inputs, strict=True):
-                    started = time.process_time()
+                    synchronize(device)
+                    started = clock()
                     results[name].append(call(*batch_input))
-                    times.append(1000 * (time.process_time() - started) / len(batch))
+                    synchronize(device)
+                    times.append(1000 * (clock() - started) / len(batch))
             row[name] = _summary(times, results[name][: len(batches)])
         row["strict_equals_target"] = _strict_equals_target(results)
         rows.append(row)
@@ -107,6 +122,8 @@ def compare_modes(
             )
     return {
         "threads": torch.get_num_threads(),
+        "device": device.type,
+        "clock": "wall" if clock is time.perf_counter else "cpu",
         "users": len(users),
         "rows": rows,
         "bs64_over_bs1": ratios,
@@ -138,10 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--users", type=int, default=64)
     parser.add_argument("--modes", default="target,strict,relaxed")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    add_runtime_args(parser)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    models = bench_models("small", n_users=args.users)
+    models = bench_models("small", n_users=args.users, device=args.device or pick_device())
+    runtime = apply_runtime(models, args.dtype or "float32", args.compile or "off")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     report = compare_modes(
         models,
@@ -151,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         n_draft=args.n_draft,
         modes=tuple(args.modes.split(",")),
     )
+    report["runtime"] = runtime
     report["null_model"] = null_model_overhead(k=args.k)
     text = json.dumps(report, indent=2)
     if args.json is not None:
