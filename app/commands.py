@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import get_settings
 
 # Handlers import their step's modules when they run, so that `genrec --help` and
@@ -95,13 +94,11 @@ def _kafka_status(args: argparse.Namespace) -> int:
 
 
 def _topics_create(args: argparse.Namespace) -> int:
-    from genrec.infra.topics import create_topics, topic_specs, wait_for_kafka
+    from genrec.infra.kafka_clients import wait_for_kafka
+    from genrec.infra.topics import create_topics, topic_specs
 
     kafka = get_settings().kafka
-    try:
-        wait_for_kafka(kafka, timeout=args.wait)
-    except TimeoutError as exc:
-        raise UserFacingError(f"{exc} (local broker: `genrec kafka up`)") from exc
+    wait_for_kafka(kafka, timeout=args.wait)  # KafkaUnreachableError: one line, exit code 2
     created = set(create_topics(kafka))
     for name, spec in topic_specs(kafka).items():
         if name in created:

@@ -36,8 +36,9 @@ from genrec.app.demo_online import serve_and_measure
 from genrec.app.kafka_broker import KafkaBroker
 from genrec.app.services import skip_group_to_end
 from genrec.infra.database import make_engine
+from genrec.infra.kafka_clients import wait_for_kafka
 from genrec.infra.settings import Settings
-from genrec.infra.topics import create_topics, wait_for_kafka
+from genrec.infra.topics import create_topics
 from genrec.ingest.consumer import Ingestor
 from genrec.ingest.replay import replay_ml100k
 from genrec.offline.refresh import run_refresh

@@ -18,6 +18,7 @@ from typing import Any
 
 from genrec.app.prequential import Published, ReplayedEvent, prequential_figures
 from genrec.app.services import skip_group_to_end, start_service, stop_service
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 from genrec.ingest.replay import replay_ml100k
 
@@ -33,8 +34,8 @@ class TopicTail:
     def __init__(self, settings: Settings, topic: str) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
-        self.consumer = KafkaConsumer(
-            **settings.kafka.client_config(), group_id=None, enable_auto_commit=False
+        self.consumer = open_client(
+            KafkaConsumer, settings.kafka, group_id=None, enable_auto_commit=False
         )
         partitions = [TopicPartition(topic, p) for p in self.consumer.partitions_for_topic(topic)]
         self.consumer.assign(partitions)

@@ -24,13 +24,14 @@ from pathlib import Path
 from kafka import KafkaConsumer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 
 
 def skip_group_to_end(settings: Settings, group_id: str, topic: str) -> None:
     """Commit ``group_id``'s offsets at the end of ``topic``: it serves only what comes next."""
-    consumer = KafkaConsumer(
-        **settings.kafka.client_config(), group_id=group_id, enable_auto_commit=False
+    consumer = open_client(
+        KafkaConsumer, settings.kafka, group_id=group_id, enable_auto_commit=False
     )
     partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
     ends = consumer.end_offsets(partitions)

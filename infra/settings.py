@@ -62,6 +62,9 @@ class KafkaSettings(BaseModel):
     recommendations_partitions: int = 6
     replication_factor: int = 1
     topic_wait_s: float = 60.0  # how long a consumer waits at start for its topic to exist
+    # How long a client waits for the cluster to accept a connection (then as long for the
+    # Kafka handshake) before the command stops with one line naming kafka.bootstrap.
+    connect_timeout_s: float = Field(default=30.0, gt=0)
 
     def client_config(self) -> dict[str, Any]:
         """Keyword arguments common to every kafka-python client (producer, consumer, admin)."""

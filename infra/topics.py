@@ -2,13 +2,13 @@
 
 Everything goes through kafka-python's admin client with
 ``KafkaSettings.client_config()``, so SASL/TLS settings pass through and the
-same code serves the local broker and a production cluster.
+same code serves the local broker and a production cluster; a cluster that cannot
+be reached is one ``KafkaUnreachableError`` line (``infra/kafka_clients.py``).
 
 Example::
 
     >>> from genrec.infra.settings import KafkaSettings
     >>> kafka = KafkaSettings(bootstrap="127.0.0.1:9092")
-    >>> wait_for_kafka(kafka, timeout=30)  # doctest: +SKIP
     >>> create_topics(kafka)  # doctest: +SKIP
     ['genrec.user-events', 'genrec.recommendations', 'genrec.user-events.dlq']
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
 from kafka import KafkaAdminClient
-from kafka.errors import KafkaError, TopicAlreadyExistsError, for_code
+from kafka.errors import TopicAlreadyExistsError, for_code
 
 from genrec.infra.errors import UserFacingError
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def topic_specs(kafka: KafkaSettings) -> dict[str, dict[str, int]]:
 def create_topics(kafka: KafkaSettings) -> list[str]:
     """Create the genrec topics that are missing; returns the names it created."""
     specs = topic_specs(kafka)
-    with contextlib.closing(KafkaAdminClient(**kafka.client_config())) as admin:
+    with contextlib.closing(open_client(KafkaAdminClient, kafka)) as admin:
         existing = set(admin.list_topics())
         missing = {name: spec for name, spec in specs.items() if name not in existing}
         created = _create_missing(admin, missing)
@@ -148,40 +148,3 @@ def subscribe_when_ready(
         time.sleep(TOPIC_WAIT_POLL_S)
     consumer.subscribe([topic], listener=listener)
     return set(partitions)
-
-
-def wait_for_kafka(kafka: KafkaSettings, timeout: float) -> None:
-    """Block until the cluster answers a metadata request; TimeoutError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while True:
-        remaining_ms = max(1000, int((deadline - time.monotonic()) * 1000))
-        config: dict[str, Any] = {
-            **kafka.client_config(),
-            "bootstrap_timeout_ms": min(remaining_ms, 10_000),
-            "request_timeout_ms": min(remaining_ms, 10_000),
-        }
-        if not _any_bootstrap_listening(config["bootstrap_servers"]):
-            # A plain TCP probe first: kafka-python logs every refused connection as an error.
-            last_error = ConnectionRefusedError(f"nothing listens on {kafka.bootstrap}")
-        else:
-            try:
-                with contextlib.closing(KafkaAdminClient(**config)) as admin:
-                    admin.list_topics()
-                return
-            except (KafkaError, OSError) as exc:
-                last_error = exc
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"Kafka at {kafka.bootstrap} did not answer within {timeout:.0f}s: {last_error!r}"
-            )
-        time.sleep(0.5)
-
-
-def _any_bootstrap_listening(servers: list[str]) -> bool:
-    for server in servers:
-        host, _, port = server.rpartition(":")
-        with contextlib.suppress(OSError, ValueError):
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=2.0):
-                return True
-    return False

@@ -41,6 +41,7 @@ from sqlalchemy.exc import DBAPIError
 from genrec.infra import metrics
 from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
 from genrec.infra.database import make_engine
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.ingest.dlq import DeadLetterPublisher
@@ -152,8 +153,10 @@ class Ingestor(BatchHandler):
         self._polled: dict[Any, list[Any]] = {}  # the open batch, not validated yet
 
     def _make_consumer(self, group_id: str | None) -> Any:
-        consumer = KafkaConsumer(**consumer_config(self.settings, group_id=group_id))
         kafka = self.settings.kafka
+        consumer = open_client(
+            KafkaConsumer, kafka, **consumer_config(self.settings, group_id=group_id)
+        )
         subscribe_when_ready(
             consumer, kafka.topic_events, listener=_RebalanceLog(self), timeout_s=kafka.topic_wait_s
         )

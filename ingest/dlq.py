@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 from genrec.schemas.events import DeadLetter
 
@@ -40,8 +41,9 @@ class DeadLetterPublisher:
         if self._producer is None:
             from kafka import KafkaProducer
 
-            self._producer = KafkaProducer(
-                **self.settings.kafka.client_config(),
+            self._producer = open_client(
+                KafkaProducer,
+                self.settings.kafka,
                 acks="all",
                 linger_ms=5,
                 reconnect_backoff_max_ms=2000,

@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from kafka import KafkaProducer
+from kafka.errors import KafkaTimeoutError
 
 from genrec.infra.database import make_engine
 from genrec.infra.errors import UserFacingError
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.progress import progress_bar
 from genrec.infra.settings import Settings
 from genrec.ingest.movielens import load_ml100k
@@ -211,10 +214,9 @@ def event_messages(frame: pd.DataFrame) -> list[tuple[bytes, bytes]]:
 
 
 def make_producer(settings: Settings) -> Any:
-    from kafka import KafkaProducer
-
-    return KafkaProducer(
-        **settings.kafka.client_config(),
+    return open_client(
+        KafkaProducer,
+        settings.kafka,
         acks="all",
         linger_ms=20,
         batch_size=512 * 1024,
@@ -255,11 +257,19 @@ def replay_events(
                 if ahead > 0:
                     time.sleep(ahead)
         producer.flush()
+    except KafkaTimeoutError as exc:  # send() waited max_block_ms for the topic's metadata
+        raise UserFacingError(
+            f"cannot produce to {topic} at {settings.kafka.bootstrap}: {exc} (does the topic "
+            "exist? `genrec topics create` makes it)"
+        ) from exc
     finally:
         if own_producer:
             producer.close(timeout=30)
     if failures:
-        raise RuntimeError(f"{len(failures)} events were not acknowledged: {failures[0]!r}")
+        raise UserFacingError(
+            f"{len(failures):,} of {len(messages):,} events were not acknowledged by Kafka at "
+            f"{settings.kafka.bootstrap}: {failures[0]!r}"
+        )
     seconds = time.monotonic() - began
     first = int(prepared["ts_ms"].iloc[0]) if len(prepared) else None
     last = int(prepared["ts_ms"].iloc[-1]) if len(prepared) else None

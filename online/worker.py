@@ -51,6 +51,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from genrec.infra import metrics
 from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.online.batch_pipeline import BatchTimer, DecodeStage, InFlightBatch
@@ -142,7 +143,11 @@ class OnlineWorker(BatchHandler):
     ) -> WorkerReport:
         """Serve until ``request_stop``, ``exit_when_idle_s`` without events, or ``max_requests``."""
         self.consumer = self._consumer_factory(_Rebalance(self))
-        self.producer = self._producer_factory()
+        try:
+            self.producer = self._producer_factory()
+        except BaseException:  # e.g. Kafka gone meanwhile: leave the group now, not later
+            self.consumer.close()
+            raise
         self.decoder.start()
         report = self.report
         try:
@@ -479,8 +484,9 @@ class OnlineWorker(BatchHandler):
     # --- Kafka clients -------------------------------------------------------------------
 
     def _kafka_consumer(self, listener: Any) -> Any:
-        consumer = KafkaConsumer(
-            **self.settings.kafka.client_config(),
+        consumer = open_client(
+            KafkaConsumer,
+            self.settings.kafka,
             group_id=self.online.group_id,
             enable_auto_commit=False,
             auto_offset_reset=self.online.auto_offset_reset,
@@ -498,7 +504,7 @@ class OnlineWorker(BatchHandler):
     def _kafka_producer(self) -> Any:
         # linger 0: a batch's messages leave at once (the decode thread sends them all in
         # one go, and the sender packs whatever queued meanwhile into its next request).
-        return KafkaProducer(**self.settings.kafka.client_config(), acks="all", linger_ms=0)
+        return open_client(KafkaProducer, self.settings.kafka, acks="all", linger_ms=0)
 
 
 def group_requests(polled: Sequence[_Polled]) -> list[Request]:

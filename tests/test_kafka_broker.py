@@ -23,14 +23,9 @@ from genrec.app.kafka_broker import (
     pick_free_ports,
     server_properties,
 )
+from genrec.infra.kafka_clients import wait_for_kafka
 from genrec.infra.settings import KafkaSettings, Settings
-from genrec.infra.topics import (
-    KafkaTopicsError,
-    create_topics,
-    subscribe_when_ready,
-    topic_specs,
-    wait_for_kafka,
-)
+from genrec.infra.topics import KafkaTopicsError, create_topics, subscribe_when_ready, topic_specs
 from tests.helpers import fresh_kafka, unique_kafka
 
 # --- helpers ----------------------------------------------------------------------------

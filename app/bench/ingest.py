@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 
 from genrec.app.postgres import LocalPostgres
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.settings import Settings
 from genrec.infra.topics import create_topics, subscribe_when_ready
 from genrec.ingest.consumer import Ingestor, consumer_config
@@ -63,7 +64,7 @@ def bare_consume(settings: Settings, topic: str, expected: int) -> float:
     from kafka import KafkaConsumer
 
     config = consumer_config(settings, group_id=f"genrec-bench-bare-{uuid.uuid4().hex[:8]}")
-    consumer = KafkaConsumer(**config)
+    consumer = open_client(KafkaConsumer, settings.kafka, **config)
     subscribe_when_ready(consumer, topic, timeout_s=settings.kafka.topic_wait_s)
     seen, began = 0, None
     try:

@@ -55,6 +55,7 @@ from pydantic_core import from_json
 
 from genrec.app.services import skip_group_to_end, stop_service
 from genrec.infra.database import make_engine
+from genrec.infra.kafka_clients import open_client
 from genrec.infra.progress import progress_bar
 from genrec.infra.topics import create_topics, subscribe_when_ready
 from genrec.ingest.history import load_item_ids, load_user_histories
@@ -319,7 +320,7 @@ class EventSender:
 
     def __init__(self, settings: Settings) -> None:
         self.topic = settings.kafka.topic_events
-        self.producer = KafkaProducer(**settings.kafka.client_config(), acks="all", linger_ms=2)
+        self.producer = open_client(KafkaProducer, settings.kafka, acks="all", linger_ms=2)
         self.partitions = len(self.producer.partitions_for(self.topic))
         self._failures: list[BaseException] = []
 
@@ -385,8 +386,8 @@ class AnswerLog:
     """
 
     def __init__(self, settings: Settings, group_id: str, timeout_s: float) -> None:
-        self.consumer = KafkaConsumer(
-            **settings.kafka.client_config(), group_id=group_id, enable_auto_commit=False,
+        self.consumer = open_client(
+            KafkaConsumer, settings.kafka, group_id=group_id, enable_auto_commit=False,
             auto_offset_reset="latest", fetch_max_wait_ms=50,
         )  # fmt: skip
         try:
@@ -578,7 +579,7 @@ class Services:
         """Until every worker has held partitions of the events topic, in a stable group,
         for ``GROUP_SETTLE_S``: a worker's first assignment is often followed by a second
         rebalance within a second, and no event should arrive while it runs."""
-        admin = KafkaAdminClient(**self.settings.kafka.client_config())
+        admin = open_client(KafkaAdminClient, self.settings.kafka)
         try:
             deadline = time.monotonic() + timeout_s
             settled_since: float | None = None
