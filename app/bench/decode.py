@@ -43,9 +43,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from tqdm import tqdm
 
 from genrec.infra.database import make_engine
+from genrec.infra.progress import progress_bar
 from genrec.infra.settings import get_settings
 from genrec.offline.splits import load_split
 from genrec.online.decoding.constraints import TrieLogitsProcessor
@@ -327,7 +327,7 @@ def run_decode_bench(
         )
     rows, lossless = [], True
     jobs = [(k, bs) for bs in batch_sizes for k in ks]
-    for k, bs in tqdm(jobs, desc="bench decode", unit="config"):
+    for k, bs in progress_bar(jobs, desc="bench decode", unit="config"):
         row, equal = _bench_config(
             models,
             users,
@@ -723,7 +723,7 @@ def align_random_draft(
     device = next(models.target.parameters()).device
     optimizer = torch.optim.AdamW(models.draft.parameters(), lr=3e-3)
     models.draft.train()
-    for step in tqdm(range(steps), desc="distil random draft", unit="step"):
+    for step in progress_bar(range(steps), desc="distil random draft", unit="step"):
         prompts = random_prompts(
             items, [6] * 16, seed=seed + 1000 + step, bos=models.layout.bos_token_id
         )
