@@ -6,7 +6,9 @@ import io
 import json
 import logging
 import os
+import re
 import sys
+from pathlib import Path
 
 import pytest
 from tqdm import tqdm
@@ -167,3 +169,14 @@ def test_library_bars_are_switched_off_off_a_terminal(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # the operator's choice wins
     quiet_library_bars()
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "0"
+
+
+def test_no_module_but_this_one_draws_tqdm_bars() -> None:
+    root = Path(__file__).resolve().parents[1]
+    importers = [
+        path.relative_to(root).as_posix()
+        for folder in ("schemas", "infra", "ingest", "online", "offline", "app")
+        for path in (root / folder).rglob("*.py")
+        if re.search(r"^\s*(from tqdm\b|import tqdm\b)", path.read_text(), re.M)
+    ]
+    assert importers == ["infra/progress.py"]
