@@ -8,10 +8,12 @@ with ``kubectl kustomize`` where kubectl is installed.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -138,3 +140,209 @@ def test_kubectl_renders_the_overlay() -> None:
     kinds = [doc["kind"] for doc in yaml.safe_load_all(rendered)]
     assert sorted(kinds) == ["ConfigMap", "Deployment", "Deployment", "Deployment", "Job",
                              "PersistentVolumeClaim"]  # fmt: skip
+
+
+# --- monitoring: Prometheus and the Grafana dashboard (Compose) ---------------------------
+
+GRAFANA = DEPLOY / "grafana"
+DASHBOARDS = GRAFANA / "dashboards"
+PROMETHEUS_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
+# Words of PromQL that are not metric names when they are not followed by "(".
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset",
+                "and", "or", "unless"}  # fmt: skip
+PROMETHEUS_OWN = {"up"}  # written by Prometheus for every scrape target, not by genrec
+
+
+def dashboards() -> dict[str, dict]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def all_panels(dashboard: dict) -> list[dict]:
+    """Every panel, those inside collapsed rows included."""
+    found = []
+    for panel in dashboard["panels"]:
+        found.append(panel)
+        found.extend(panel.get("panels", []))
+    return found
+
+
+def expressions(node) -> list[str]:
+    """Every PromQL expression in a dashboard: panel targets and annotation queries."""
+    if isinstance(node, dict):
+        own = [node["expr"]] if isinstance(node.get("expr"), str) else []
+        return own + [e for value in node.values() for e in expressions(value)]
+    if isinstance(node, list):
+        return [e for value in node for e in expressions(value)]
+    return []
+
+
+def promql_metric_names(expr: str) -> set[str]:
+    """The metric names an expression selects (strings, label matchers, ranges and grouping
+    labels removed first; a word followed by "(" is a function or an aggregation)."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    expr = re.sub(r"\{[^}]*\}", " ", expr)
+    expr = re.sub(r"\[[^\]]*\]", " ", expr)
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    names = set()
+    for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        if expr[match.end() :].lstrip().startswith("(") or match.group() in PROMQL_WORDS:
+            continue
+        names.add(match.group())
+    return names
+
+
+def exposed_metric_names() -> set[str]:
+    """What a genrec process's /metrics can hold: its registry's families with the series
+    names of their type (a counter's _total, a histogram's _bucket, _count and _sum, ...)."""
+    from prometheus_client import REGISTRY
+
+    import genrec.infra.metrics  # noqa: F401 - defines (registers) every genrec metric
+
+    suffixes = {
+        "counter": ("_total", "_created"), "gauge": ("",), "info": ("_info",),
+        "histogram": ("_bucket", "_count", "_sum", "_created"),
+        "summary": ("", "_count", "_sum", "_created"), "stateset": ("",), "unknown": ("",),
+        "gaugehistogram": ("_bucket", "_gcount", "_gsum"),
+    }  # fmt: skip
+    names = set()
+    for family in REGISTRY.collect():
+        names |= {family.name + suffix for suffix in suffixes[family.type]}
+        names |= {sample.name for sample in family.samples}
+    return names
+
+
+def provisioned_datasource() -> dict:
+    files = sorted((GRAFANA / "provisioning" / "datasources").glob("*.yaml"))
+    sources = [s for f in files for s in yaml.safe_load(f.read_text())["datasources"]]
+    [source] = sources
+    return source
+
+
+def bind_mounts(service: str) -> dict[str, str]:
+    """Container path -> host path (relative to infra/deploy/) of a service's bind mounts."""
+    mounts = {}
+    for volume in compose()["services"][service]["volumes"]:
+        source, target = volume.split(":")[:2]
+        if source.startswith("."):
+            mounts[target] = source
+    return mounts
+
+
+def test_promql_metric_names() -> None:
+    assert promql_metric_names(
+        'histogram_quantile(0.95, sum by (stage, le) (rate(genrec_stage_latency_seconds_bucket'
+        '{job=~"a|b"}[$__rate_interval]))) / on (x) group_left foo:bar == 1'
+    ) == {"genrec_stage_latency_seconds_bucket", "foo:bar"}  # fmt: skip
+
+
+def test_every_metric_the_dashboard_queries_is_one_genrec_exposes() -> None:
+    exposed = exposed_metric_names()
+    assert {"genrec_events_total", "genrec_request_latency_seconds_bucket",
+            "genrec_stage_latency_seconds_count", "process_cpu_seconds_total"} <= exposed  # fmt: skip
+    for name, dashboard in dashboards().items():
+        queried = {m for e in expressions(dashboard) for m in promql_metric_names(e)}
+        assert queried, name
+        unknown = queried - exposed - PROMETHEUS_OWN
+        assert not unknown, f"{name} queries metrics genrec does not expose: {sorted(unknown)}"
+    # ... and every metric genrec defines has a panel somewhere.
+    from prometheus_client import REGISTRY
+
+    families = {f.name for f in REGISTRY.collect() if f.name.startswith("genrec_")}
+    queried = " ".join(e for d in dashboards().values() for e in expressions(d))
+    assert not [f for f in families if f not in queried], "metrics without a panel"
+
+
+def test_the_dashboard_is_grafana_json_on_the_provisioned_datasource() -> None:
+    source = provisioned_datasource()
+    assert source["type"] == "prometheus"
+    datasource = {"type": "prometheus", "uid": source["uid"]}
+    assert dashboards(), "no dashboard JSON"
+    for name, dashboard in dashboards().items():
+        assert dashboard["uid"] and dashboard["title"], name
+        assert isinstance(dashboard["schemaVersion"], int) and dashboard["schemaVersion"] >= 36
+        panels = all_panels(dashboard)
+        assert len({p["id"] for p in panels}) == len(panels), f"{name}: panel ids repeat"
+        cells: set[tuple[int, int]] = set()
+        for panel in panels:
+            grid = panel["gridPos"]
+            assert all(isinstance(grid[k], int) for k in ("h", "w", "x", "y")), panel["title"]
+            assert (
+                grid["h"] > 0 and grid["w"] > 0 and 0 <= grid["x"] and grid["x"] + grid["w"] <= 24
+            )
+            area = {
+                (grid["x"] + i, grid["y"] + j) for i in range(grid["w"]) for j in range(grid["h"])
+            }
+            assert not area & cells, f"{name}: {panel['title']} overlaps another panel"
+            cells |= area
+            if panel["type"] == "row":
+                assert not panel.get("targets"), panel["title"]
+                continue
+            assert panel["type"] in {"timeseries", "stat", "table", "heatmap", "gauge", "bargauge"}
+            assert panel["title"] and panel["datasource"] == datasource, panel["title"]
+            targets = panel["targets"]
+            assert targets and len({t["refId"] for t in targets}) == len(targets), panel["title"]
+            for target in targets:
+                assert target["expr"].strip(), panel["title"]
+                assert target.get("datasource", datasource) == datasource, panel["title"]
+        for annotation in dashboard["annotations"]["list"]:
+            if annotation["datasource"].get("type") == "prometheus":
+                assert annotation["datasource"] == datasource and annotation["expr"]
+
+
+def test_compose_provisions_grafana_and_prometheus_with_the_files_that_exist() -> None:
+    services = compose()["services"]
+    for service in ("prometheus", "grafana"):
+        for source in bind_mounts(service).values():
+            assert (DEPLOY / source).exists(), f"{service} mounts a missing {source}"
+    # Prometheus reads the mounted config.
+    config_flag = next(
+        a for a in services["prometheus"]["command"] if a.startswith("--config.file=")
+    )
+    assert bind_mounts("prometheus")[config_flag.split("=", 1)[1]] == "./prometheus/prometheus.yml"
+    # Grafana gets the provisioning folder, and the provider's path is where the dashboards are.
+    grafana = bind_mounts("grafana")
+    assert (DEPLOY / grafana["/etc/grafana/provisioning"]).resolve() == GRAFANA / "provisioning"
+    [provider] = yaml.safe_load((GRAFANA / "provisioning/dashboards/genrec.yaml").read_text())[
+        "providers"
+    ]
+    assert (DEPLOY / grafana[provider["options"]["path"]]).resolve() == DASHBOARDS
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    assert (DASHBOARDS / Path(home).name).exists()
+    # No monitoring file is left out of the containers.
+    mounted = [
+        (DEPLOY / s).resolve() for m in ("prometheus", "grafana") for s in bind_mounts(m).values()
+    ]
+    for path in [*GRAFANA.rglob("*"), *PROMETHEUS_CONFIG.parent.rglob("*")]:
+        if path.is_file():
+            assert any(path == m or m in path.parents for m in mounted), f"{path} is not mounted"
+    # The datasource is the Compose Prometheus.
+    url = urlparse(provisioned_datasource()["url"])
+    assert url.hostname == "prometheus"
+    assert f":{url.port}" in " ".join(services["prometheus"]["ports"])
+
+
+def test_prometheus_scrapes_every_replica_on_its_metrics_port() -> None:
+    environment = compose()["x-genrec"]["environment"]
+    expected = {
+        "ingest": int(environment["GENREC_INGEST__METRICS_PORT"]),
+        "serve": int(environment["GENREC_ONLINE__METRICS_PORT"]),
+    }
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+    scraped, jobs = {}, set()
+    for job in config["scrape_configs"]:
+        jobs.add(job["job_name"])
+        for discovery in job["dns_sd_configs"]:  # every container of the service, any replicas
+            for name in discovery["names"]:
+                scraped[name] = discovery["port"]
+    assert scraped == expected
+    assert set(scraped) <= set(compose()["services"])
+    # The dashboard's job matchers name these jobs.
+    matchers = {
+        job
+        for dashboard in dashboards().values()
+        for expr in expressions(dashboard)
+        for pattern in re.findall(r'job=~?"([^"]+)"', expr)
+        for job in pattern.split("|")
+    }
+    assert matchers and matchers <= jobs
