@@ -13,7 +13,7 @@ The shape:
   and genres out, and category and brand become opaque codes (``cat17``, ``brand203``).
 - **popularity** is Zipf-like: item weight = 1 / rank ** ``item_zipf`` over a random ranking.
 - **user activity** is heavy-tailed: each user's share of sessions is Pareto
-  (``user_activity_shape``; 1.5: the top 10% of users make 40-45% of the events), capped at
+  (``user_activity_shape``; 1.5: the top 10% of users make 42-48% of the events), capped at
   100x the least active user and so that nobody expects more events than half the catalog.
 - **sessions**: a user's events come in sessions (geometric length, mean ``session_length``,
   ``gap_s`` apart on average), each about one of the user's ``interests_per_user`` latent
