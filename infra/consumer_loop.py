@@ -40,6 +40,9 @@ as needed, the join's answer is never applied, and the member holds no partition
 (with its heartbeat off) until something else rebalances the group, minutes
 later. The worker's short polls while a batch is in flight hit it after a
 restart; after every poll the join is asked for again when that state shows.
+And since kafka-python completes a join only within one poll (a shorter poll
+leaves it, the next sends a fresh JoinGroup), a poll while the group is being
+joined waits at least ``JOIN_POLL_MS``.
 
 Example::
 
@@ -89,6 +92,10 @@ class OutagePoll:
 
     def poll(self, consumer: Any, **poll_kwargs: Any) -> dict[Any, list[Any]]:
         """``consumer.poll(**poll_kwargs)``; ``{}`` after a back-off if the broker is away."""
+        if group_joining(consumer):
+            # kafka-python completes a join only inside one poll: a shorter one gives up
+            # and the next sends a fresh JoinGroup, so tiny polls would never join.
+            poll_kwargs["timeout_ms"] = max(poll_kwargs.get("timeout_ms") or 0, JOIN_POLL_MS)
         try:
             batch = consumer.poll(**poll_kwargs)
         except KafkaError as exc:
@@ -128,6 +135,23 @@ class OutagePoll:
         # An Event wait, not sleep: SIGTERM (which sets ``stop``) ends the back-off at once.
         self._stop.wait(self._backoff_s)
         self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
+
+
+JOIN_POLL_MS = 500  # the shortest poll while the group is being joined
+
+
+def group_joining(consumer: Any) -> bool:
+    """Whether ``consumer``'s group join is pending or in flight (kafka-python internals;
+    False for anything else)."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or getattr(coordinator, "group_id", None) is None:
+        return False
+    try:
+        return getattr(coordinator, "_join_task", None) is not None or bool(
+            coordinator.need_rejoin()
+        )
+    except Exception:  # noqa: BLE001 - a guard for a client bug must never break a poll
+        return False
 
 
 def rejoin_lost_join(consumer: Any, component: str = "kafka") -> bool:
