@@ -255,7 +255,6 @@ class ItemHead:
         """
         tables = self.tables
         allowed = tables.allowed[nodes]
-        neg_inf = torch.tensor(-math.inf, dtype=self.dtype, device=hidden.device)
         if self.score_mode == "full":
             log_probs = torch.log_softmax(
                 F.linear(hidden, self.weight, self.bias).to(self.dtype), -1
@@ -263,8 +262,8 @@ class ItemHead:
             log_probs = self._level_columns(log_probs, level, vocabulary=True)
         else:
             logits = self._level_columns(hidden, level, vocabulary=False)
-            log_probs = torch.log_softmax(torch.where(allowed, logits, neg_inf), -1)
-        log_probs = torch.where(allowed, log_probs, neg_inf)  # nothing allowed: -inf, not nan
+            log_probs = torch.log_softmax(torch.where(allowed, logits, NEG_INF), -1)
+        log_probs = torch.where(allowed, log_probs, NEG_INF)  # nothing allowed: -inf, not nan
         if dead is None:
             return log_probs
         blocked = dead.gather(1, tables.child[nodes].flatten(1)).view_as(log_probs)
@@ -529,11 +528,15 @@ class BatchedDecode:
             scores = scores.masked_fill(self.dead.gather(1, item_nodes), NEG_INF)
         return BeamBatch(scores, item_nodes, tokens, beams.paths), done
 
+    def _settled(self, beams: BeamBatch) -> torch.Tensor:
+        """[B]: every beam of the user settles in one item (or is no beam)."""
+        return (self.tables.settles[beams.nodes] | (beams.scores == NEG_INF)).all(1)
+
     def draft_lengths(self, beams: BeamBatch, levels: torch.Tensor, active: torch.Tensor):
         """g per user: min(gamma, depth - t - 1), 0 once every beam settles in one (or done)."""
-        settled = (self.tables.settles[beams.nodes] | (beams.scores == NEG_INF)).all(1)
         if self.mode == "probe":
             return active.long()
+        settled = self._settled(beams)
         lengths = (self.depth - 1 - levels).clamp(0, self.gamma)
         return torch.where(settled | ~active, 0, lengths)
 
@@ -559,7 +562,7 @@ class BatchedDecode:
             drafts.append(DraftLevel(nodes, parents, codes, q, frontier.scores.shape[1]))
             self.count("draft_calls", drafting)
             if j < longest:  # the bonus level decides every drafted item: drafting on is waste
-                settled = (self.tables.settles[nodes.nodes] | (scores == NEG_INF)).all(1)
+                settled = self._settled(nodes)
                 lengths.copy_(torch.where(drafting & settled & (lengths > j), j, lengths))
                 longest = int(lengths.max())  # a host read: it saves the draft calls nobody needs
             frontier = nodes
@@ -718,8 +721,7 @@ def relaxed_choice(candidates, q, keys, drafted, node_of_key, may_accept, k: int
     accepted = drafted & (draws < ratio)
     trash = candidates.shape[1]
     in_accepted = _key_mask(torch.where(accepted, keys, trash), trash)
-    neg_inf = torch.tensor(-math.inf, dtype=candidates.dtype, device=candidates.device)
-    taken_scores, taken_keys = torch.where(in_accepted, candidates, neg_inf).topk(k, 1)
+    taken_scores, taken_keys = torch.where(in_accepted, candidates, NEG_INF).topk(k, 1)
     n_accepted = accepted.sum(1)
     go_on = may_accept & (n_accepted >= k)
     # short of K: top up from the residual max(p - q, 0), or from p where that has too few
@@ -732,7 +734,7 @@ def relaxed_choice(candidates, q, keys, drafted, node_of_key, may_accept, k: int
     order = (weights / _exponential(weights.shape, generator, weights.device)).topk(k, 1).indices
     sampled = torch.arange(k, device=order.device)[None, :] < n_fill[:, None]
     chosen = in_accepted | _key_mask(torch.where(sampled, order, trash), trash)
-    end_scores, end_keys = torch.where(chosen, candidates, neg_inf).topk(k, 1)
+    end_scores, end_keys = torch.where(chosen, candidates, NEG_INF).topk(k, 1)
     taken = node_of_key.gather(1, taken_keys).clamp(min=0)
     return go_on, taken, taken_scores, end_keys, end_scores
 
