@@ -92,12 +92,15 @@ def compare_modes(
         for name, call in mode_calls(models, k, max(n_draft, k), gamma).items()
         if name in modes
     }
+    by_size = [
+        (size, [range(i, min(i + size, len(users))) for i in range(0, len(users), size)])
+        for size in batch_sizes
+    ]
+    # every size's batches in one call: the users' prefix KV is computed once, not per size
+    flat_inputs = iter(prefix_batches(models, users, [b for _, bs in by_size for b in bs]))
     rows = []
-    for batch_size in batch_sizes:
-        batches = [
-            range(i, min(i + batch_size, len(users))) for i in range(0, len(users), batch_size)
-        ]
-        inputs = prefix_batches(models, users, batches)
+    for batch_size, batches in by_size:
+        inputs = [next(flat_inputs) for _ in batches]
         row: dict = {"k": k, "batch_size": batch_size}
         results = {}
         for name, call in calls.items():
