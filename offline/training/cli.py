@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import argparse
 
-from genrec.infra.database import make_engine
 from genrec.infra.settings import get_settings
 
-# The handler imports the training run when it runs, so that `genrec --help` and every
-# other command start without torch and transformers.
+# The handler imports the training run (and the database) when it runs, so that
+# `genrec --help` and every other command start without torch, transformers or SQLAlchemy.
 
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
@@ -49,6 +48,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from genrec.infra.database import make_engine
     from genrec.offline.training.run import train_models
 
     settings = get_settings()
