@@ -174,6 +174,11 @@ class OnlineSettings(BaseModel):
         return self.beam_width or 2 * self.k
 
 
+# The decoding runtime's choices (online/models/runtime.py, bench --dtype/--compile).
+DecodeDtype = Literal["float32", "bfloat16", "float16", "auto"]
+CompileMode = Literal["off", "default", "reduce-overhead", "max-autotune"]
+
+
 class DecodeSettings(BaseModel):
     """The decoding engine (online/decoding/engine.py) and ``genrec bench decode``."""
 
@@ -190,9 +195,9 @@ class DecodeSettings(BaseModel):
     seed: int = 0  # relaxed sampling
     # The serving models' number format (online/models/runtime.py). auto: bfloat16 on a
     # CUDA GPU that has it, float32 elsewhere; float32 is the exact one.
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    dtype: DecodeDtype = "float32"
     # torch.compile of the decoder stacks; reduce-overhead replays CUDA graphs on a GPU.
-    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
+    compile: CompileMode = "off"
 
 
 class ModelSettings(BaseModel):

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import get_args
 
 from genrec.infra.errors import UserFacingError
-from genrec.infra.settings import get_settings
+from genrec.infra.settings import CompileMode, DecodeDtype, get_settings
 
 # Handlers import their step's modules when they run, so that `genrec --help` and
 # every other command start without torch, transformers, pandas or a database.
@@ -110,11 +111,11 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     """--dtype and --compile: the decoding runtime (online/models/runtime.py)."""
     parser.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=None,
+        "--dtype", choices=get_args(DecodeDtype), default=None,
         help="the models' number format while decoding (default: settings decode.dtype)",
     )  # fmt: skip
     parser.add_argument(
-        "--compile", choices=["off", "default", "reduce-overhead", "max-autotune"], default=None,
+        "--compile", choices=get_args(CompileMode), default=None,
         help="torch.compile the decoder stacks; reduce-overhead: CUDA graphs on a GPU "
         "(default: settings decode.compile)",
     )  # fmt: skip

@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, get_args
 
 import torch
+
+from genrec.infra.settings import CompileMode
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune")
+COMPILE_MODES = get_args(CompileMode)
 
 
 def decode_dtype(name: str, device: torch.device | str) -> torch.dtype:
