@@ -34,6 +34,23 @@ from genrec.online.branches import (
 BRANCHES = ("popularity", "itemcf", "ann")
 
 
+def fit_itemcf(
+    sequences: Mapping[str, Sequence[str]], item_ids: Sequence[str], recall
+) -> ItemCFBranch:
+    """The item-CF branch fitted on ``sequences`` with ``recall``'s (``RecallSettings``) item-CF
+    settings."""
+    return ItemCFBranch.fit(
+        sequences,
+        item_ids,
+        window=recall.itemcf_window,
+        distance_decay=recall.itemcf_distance_decay,
+        backward_weight=recall.itemcf_backward_weight,
+        last_m=recall.itemcf_last_m,
+        recency_decay=recall.itemcf_recency_decay,
+        top_neighbors=recall.itemcf_top_neighbors,
+    )
+
+
 def fit_branches(
     sequences: Mapping[str, Sequence[str]],
     item_ids: Sequence[str],
@@ -52,16 +69,7 @@ def fit_branches(
         timestamps_ms if recall.popularity_half_life_days is not None else None,
         half_life_days=recall.popularity_half_life_days,
     )
-    itemcf = ItemCFBranch.fit(
-        sequences,
-        item_ids,
-        window=recall.itemcf_window,
-        distance_decay=recall.itemcf_distance_decay,
-        backward_weight=recall.itemcf_backward_weight,
-        last_m=recall.itemcf_last_m,
-        recency_decay=recall.itemcf_recency_decay,
-        top_neighbors=recall.itemcf_top_neighbors,
-    )
+    itemcf = fit_itemcf(sequences, item_ids, recall)
     source = "given"
     if item_embeddings is None:
         item_embeddings = cooccurrence_embeddings(

@@ -16,8 +16,9 @@ import pytest
 from genrec.infra.settings import RecallSettings, Settings
 from genrec.ingest import replay
 from genrec.ingest.synthetic import SyntheticConfig, event_batches, generate, item_batches, stream
+from genrec.offline.recall import fit_itemcf
 from genrec.offline.semantic_ids.embeddings import render_item_text
-from genrec.online.branches import ItemCFBranch, PopularityBranch
+from genrec.online.branches import PopularityBranch
 from genrec.schemas.events import validate_event_fields
 
 # One shape for the realism checks: 30 events per user on average, 5,000 items.
@@ -158,16 +159,7 @@ def test_itemcf_beats_popularity_on_a_time_split(workload: pd.DataFrame) -> None
     catalog = [str(item) for item in range(1, SHAPE["items"] + 1)]
     recall = RecallSettings()
     popularity = PopularityBranch.fit(train, catalog, half_life_days=None)
-    itemcf = ItemCFBranch.fit(
-        train,
-        catalog,
-        window=recall.itemcf_window,
-        distance_decay=recall.itemcf_distance_decay,
-        backward_weight=recall.itemcf_backward_weight,
-        last_m=recall.itemcf_last_m,
-        recency_decay=recall.itemcf_recency_decay,
-        top_neighbors=recall.itemcf_top_neighbors,
-    )
+    itemcf = fit_itemcf(train, catalog, recall)
     users = list(held_out)
     histories = [train[user] for user in users]
     hit_rates = {}
