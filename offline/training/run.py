@@ -49,9 +49,12 @@ log = logging.getLogger("genrec.models")
 
 
 def train_for_refresh(settings, engine, preset: str | None = None, target: bool = True) -> int:
-    """Entry point of the refresh job: retrain everything, or only re-align the drafts."""
+    """Entry point of the refresh job: retrain everything, or only re-align the drafts.
+
+    With progress: the longest step of a refresh (minutes) shows a bar on a terminal and,
+    in a log file, a line every few seconds (infra/progress.py), not silence."""
     version, _ = train_models(settings, engine, preset_name=preset, train_target_model=target,
-                              progress=False)  # fmt: skip
+                              progress=True)  # fmt: skip
     return version
 
 
