@@ -224,6 +224,53 @@ def make_producer(settings: Settings) -> Any:
     )
 
 
+class EventSender:
+    """Sends event messages to ``topic`` through ``producer`` (or one of its own, closed at the
+    end) and owns what can go wrong: leaving the block flushes, a missing topic (``send``
+    waited ``max_block_ms`` for its metadata) and events Kafka did not acknowledge are one
+    ``UserFacingError`` each, naming the bootstrap address.
+
+    Example::
+
+        >>> with EventSender(settings, settings.kafka.topic_events) as sender:  # doctest: +SKIP
+        ...     sender.send(key, value)
+    """
+
+    def __init__(self, settings: Settings, topic: str, producer: Any = None) -> None:
+        self.bootstrap, self.topic = settings.kafka.bootstrap, topic
+        self.own_producer = producer is None
+        self.producer = producer or make_producer(settings)
+        self.failures: list[BaseException] = []
+        self.sent = 0
+
+    def send(self, key: bytes, value: bytes) -> None:
+        self.producer.send(self.topic, key=key, value=value).add_errback(self.failures.append)
+        self.sent += 1
+
+    def __enter__(self) -> EventSender:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        try:
+            if error is None:
+                self.producer.flush()
+        except KafkaTimeoutError as exc:
+            error = exc
+        finally:
+            if self.own_producer:
+                self.producer.close(timeout=30)
+        if isinstance(error, KafkaTimeoutError):
+            raise UserFacingError(
+                f"cannot produce to {self.topic} at {self.bootstrap}: {error} (does the topic "
+                "exist? `genrec topics create` makes it)"
+            ) from error
+        if error is None and self.failures:
+            raise UserFacingError(
+                f"{len(self.failures):,} of {self.sent:,} events were not acknowledged by Kafka "
+                f"at {self.bootstrap}: {self.failures[0]!r}"
+            )
+
+
 def replay_events(
     settings: Settings,
     frame: pd.DataFrame,
@@ -243,33 +290,16 @@ def replay_events(
     )
     messages = event_messages(prepared)
     topic = topic or settings.kafka.topic_events
-    own_producer = producer is None
-    producer = producer or make_producer(settings)
-    failures: list[BaseException] = []
     began = time.monotonic()
-    try:
+    with EventSender(settings, topic, producer) as sender:
         for i, (key, value) in enumerate(
             progress_bar(messages, desc="replay", unit="ev", disable=not progress)
         ):
-            producer.send(topic, key=key, value=value).add_errback(failures.append)
+            sender.send(key, value)
             if rate:
                 ahead = (i + 1) / rate - (time.monotonic() - began)
                 if ahead > 0:
                     time.sleep(ahead)
-        producer.flush()
-    except KafkaTimeoutError as exc:  # send() waited max_block_ms for the topic's metadata
-        raise UserFacingError(
-            f"cannot produce to {topic} at {settings.kafka.bootstrap}: {exc} (does the topic "
-            "exist? `genrec topics create` makes it)"
-        ) from exc
-    finally:
-        if own_producer:
-            producer.close(timeout=30)
-    if failures:
-        raise UserFacingError(
-            f"{len(failures):,} of {len(messages):,} events were not acknowledged by Kafka at "
-            f"{settings.kafka.bootstrap}: {failures[0]!r}"
-        )
     seconds = time.monotonic() - began
     first = int(prepared["ts_ms"].iloc[0]) if len(prepared) else None
     last = int(prepared["ts_ms"].iloc[-1]) if len(prepared) else None

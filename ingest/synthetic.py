@@ -610,25 +610,15 @@ def stream(
     if load_items:
         for table in item_batches(config, catalog):
             replay.load_items(settings, replay.item_rows(table.to_pandas()))
-    topic = settings.kafka.topic_events
-    own_producer = producer is None
-    producer = producer or replay.make_producer(settings)
-    failures: list[BaseException] = []
     produced = 0
-    try:
+    with replay.EventSender(settings, settings.kafka.topic_events, producer) as sender:
         for table in event_batches(config, catalog):
             prepared = replay.prepare_events(table.to_pandas())
             for key, value in replay.event_messages(prepared):
-                producer.send(topic, key=key, value=value).add_errback(failures.append)
+                sender.send(key, value)
             produced += len(prepared)
             if on_events is not None:
                 on_events(len(prepared))
-            if failures:
+            if sender.failures:
                 break
-        producer.flush()
-    finally:
-        if own_producer:
-            producer.close(timeout=30)
-    if failures:
-        raise RuntimeError(f"{len(failures)} events were not acknowledged: {failures[0]!r}")
     return produced
