@@ -92,25 +92,21 @@ class OutagePoll:
 
     def poll(self, consumer: Any, **poll_kwargs: Any) -> dict[Any, list[Any]]:
         """``consumer.poll(**poll_kwargs)``; ``{}`` after a back-off if the broker is away."""
-        if group_joining(consumer):
-            # kafka-python completes a join only inside one poll: a shorter one gives up
-            # and the next sends a fresh JoinGroup, so tiny polls would never join.
-            poll_kwargs["timeout_ms"] = max(poll_kwargs.get("timeout_ms") or 0, JOIN_POLL_MS)
         try:
-            batch = consumer.poll(**poll_kwargs)
+            batch = poll_group(consumer, self.component, self._count_lost_join, **poll_kwargs)
         except KafkaError as exc:
             if not getattr(exc, "retriable", False):
                 raise
             self._on_error(exc)
             return {}
-        finally:
-            if rejoin_lost_join(consumer, self.component):
-                self.lost_joins += 1
         if self._since is not None:
             kafka_log.info("%s: Kafka answers again after %.0f s", self.component, self.outage_s())
             self._since = None
             self._backoff_s = self.first_backoff_s
         return batch
+
+    def _count_lost_join(self) -> None:
+        self.lost_joins += 1
 
     def outage_s(self) -> float:
         """Seconds since the first failed poll of the current outage (0.0 when none)."""
@@ -138,6 +134,24 @@ class OutagePoll:
 
 
 JOIN_POLL_MS = 500  # the shortest poll while the group is being joined
+
+
+def poll_group(
+    consumer: Any, component: str, on_lost_join: Callable[[], Any] | None = None, **poll_kwargs: Any
+) -> dict[Any, list[Any]]:
+    """``consumer.poll(**poll_kwargs)`` with the two guards against kafka-python's join bugs
+    (module docstring): at least ``JOIN_POLL_MS`` while the group is being joined, and a
+    dropped join asked for again after the poll (then ``on_lost_join()``). Every group
+    consumer of genrec polls through it (``OutagePoll`` for the services)."""
+    if group_joining(consumer):
+        # kafka-python completes a join only inside one poll: a shorter one gives up
+        # and the next sends a fresh JoinGroup, so tiny polls would never join.
+        poll_kwargs["timeout_ms"] = max(poll_kwargs.get("timeout_ms") or 0, JOIN_POLL_MS)
+    try:
+        return consumer.poll(**poll_kwargs)
+    finally:
+        if rejoin_lost_join(consumer, component) and on_lost_join is not None:
+            on_lost_join()
 
 
 def group_joining(consumer: Any) -> bool:

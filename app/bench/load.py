@@ -54,9 +54,10 @@ from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
 
 from genrec.app.services import skip_group_to_end, stop_service
+from genrec.infra.consumer_loop import poll_group
 from genrec.infra.database import make_engine
 from genrec.infra.kafka_clients import open_client
-from genrec.infra.progress import progress_bar
+from genrec.infra.progress import progress_bar, stderr_is_terminal
 from genrec.infra.topics import create_topics, subscribe_when_ready
 from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.schemas.events import UserEvent
@@ -407,7 +408,9 @@ class AnswerLog:
     def _run(self) -> None:
         try:
             while not self._halt.is_set():
-                polled = self.consumer.poll(timeout_ms=ANSWER_POLL_MS, max_records=5000)
+                polled = poll_group(
+                    self.consumer, "bench", timeout_ms=ANSWER_POLL_MS, max_records=5000
+                )
                 received_at = time.monotonic()
                 for records in polled.values():
                     self._record([covered_ids(from_json(r.value)) for r in records], received_at)
@@ -473,7 +476,7 @@ def _assign(consumer: KafkaConsumer, topic: str, timeout_s: float) -> None:
             raise TimeoutError(
                 f"the answers consumer got no partition of {topic} in {timeout_s:.0f} s"
             )
-        consumer.poll(timeout_ms=ANSWER_POLL_MS)
+        poll_group(consumer, "bench", timeout_ms=ANSWER_POLL_MS)
     for partition in consumer.assignment():
         consumer.position(partition)  # the "latest" reset happens now, before any send
 
@@ -694,7 +697,7 @@ def run_step(
     meter.start()
     scheduled, lags = send_on_schedule(
         traffic.sender, traffic.picker, f"{workers}w-{rate:g}", send_offsets(rate, config.step_s),
-        progress=config.progress and sys.stderr.isatty(),
+        progress=config.progress and stderr_is_terminal(),
     )  # fmt: skip
     traffic.answers.wait_for(scheduled, config.drain_s, check)
     return summarize_step(
