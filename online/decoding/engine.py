@@ -69,7 +69,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -88,9 +88,6 @@ ScoreMode = Literal["allowed", "full"]
 Level = int | torch.Tensor  # the level of every user: one int when all share it, else LongTensor[B]
 Mode = Literal["target", "strict", "relaxed", "probe"]
 NEG_INF = -math.inf  # a score of -inf: no beam (scores are finite or -inf, never +inf or nan)
-STAT_NAMES = (
-    "target_calls", "draft_calls", "rounds", "drafted_steps", "accepted_steps", "forced_steps"
-)  # fmt: skip
 
 
 @dataclass
@@ -109,6 +106,10 @@ class DecodeStats:
     def acceptance(self) -> float:
         """Accepted / drafted steps (nan when nothing was drafted)."""
         return self.accepted_steps / self.drafted_steps if self.drafted_steps else math.nan
+
+
+# The per-user counters the engine keeps in one tensor: every DecodeStats field but the flag.
+STAT_NAMES = tuple(f.name for f in fields(DecodeStats) if f.name != "speculative")
 
 
 @dataclass
