@@ -233,17 +233,34 @@ class Recommender:
         )
         self._bundle_key: str | None = None
 
-    def recommend(self, requests: Sequence[Request], bundle) -> list[RecommendationMessage]:
+    def recommend(
+        self,
+        requests: Sequence[Request],
+        bundle,
+        histories: Sequence[list[HistoryEvent]] | None = None,
+    ) -> list[RecommendationMessage]:
         """One message per request, in request order: ``prepare`` then ``finish``."""
-        return self.finish(self.prepare(requests, bundle))
+        return self.finish(self.prepare(requests, bundle, histories))
 
-    def prepare(self, requests: Sequence[Request], bundle) -> PreparedBatch:
-        """Everything but the decoding: histories (one query), prefix KVs, branch lists."""
+    def prepare(
+        self,
+        requests: Sequence[Request],
+        bundle,
+        histories: Sequence[list[HistoryEvent]] | None = None,
+    ) -> PreparedBatch:
+        """Everything but the decoding: histories (one query), prefix KVs, branch lists.
+
+        ``histories`` (one per request, in time order) replaces the store read: a
+        read-only view recommends as of an earlier point of a user's history.
+        """
         if bundle.key != self._bundle_key:  # a new version: cached prefixes belong to the old one
             self.prefix_kvs.clear()
             self._bundle_key = bundle.key
         started = time.perf_counter()
-        histories = self._histories(requests)
+        if histories is None:
+            histories = self._histories(requests)
+        elif len(histories) != len(requests):
+            raise ValueError(f"{len(histories)} histories for {len(requests)} requests")
         metrics.STAGE_LATENCY.labels(stage="history").observe(time.perf_counter() - started)
         gen_requests, decoding = self._generative_requests(requests, histories, bundle)
         lists = self._branches(requests, histories, bundle)
