@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "genrec.offline.eval_cli",
     "genrec.online.cli",
     "genrec.app.bench.cli",
+    "genrec.app.ui.cli",
 )
 
 Handler = Callable[[argparse.Namespace], int | None]

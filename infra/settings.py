@@ -323,7 +323,25 @@ class RecallSettings(BaseModel):
     merge_depth: int = Field(default=50, ge=1)  # items asked of each traditional branch
     eval_ks: tuple[int, ...] = (5, 10, 20)
     eval_batch_size: int = Field(default=64, ge=1)  # cases per generative decoding batch
+    # ``genrec eval``'s counterpart of ``online.exclude_seen``: False lets every ranker
+    # return history items and counts a repeated target as a hit (``--allow-seen``).
+    eval_exclude_seen: bool = True
     artifacts_dir: Path | None = None  # default: data_dir / "recall" (one folder per branch)
+
+
+class UiSettings(BaseModel):
+    """The read-only explorer ``genrec ui``: where it listens and what it reads."""
+
+    host: str = "127.0.0.1"  # local only; 0.0.0.0 exposes user histories to the network
+    port: int = Field(default=8765, ge=1, le=65535)
+    # The workers' (and ingest's) Prometheus endpoints the status page reads.
+    metrics_urls: tuple[str, ...] = ("http://127.0.0.1:9102/metrics",)
+    metrics_timeout_s: float = Field(default=2.0, gt=0)
+    history_rows: int = Field(default=200, ge=1)  # newest events shown on a user page
+    # How far back in the user's partition of the recommendation topic the user page
+    # looks for the last published message (a bounded read, whatever the topic's size).
+    topic_scan_messages: int = Field(default=5000, ge=0)
+    catalog_page_items: int = Field(default=100, ge=1)  # items listed under one full prefix
 
 
 def _reveal(secret: SecretStr | None) -> str | None:
@@ -355,6 +373,7 @@ class Settings(BaseSettings):
     recall: RecallSettings = Field(default_factory=RecallSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+    ui: UiSettings = Field(default_factory=UiSettings)
 
     @field_validator("log_levels")
     @classmethod
