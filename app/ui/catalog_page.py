@@ -5,8 +5,8 @@ beam search walks), one level at a time: the root shows the first-level codes
 with their item counts and a few examples, a prefix ``12`` the second-level
 codes under it, and so on; a prefix also lists up to ``ui.catalog_page_items`` of
 its items. The report (codebook usage per level, collisions before dedup,
-shared-prefix similarity) is the one the semantic-ID build stored with its
-version, drawn as charts.
+shared-prefix similarity), on the root page, is the one the semantic-ID build
+stored with its version, drawn as charts.
 
 Memory: one int64 code table per loaded version (items x depth x 8 bytes: 32 MB at
 1M items of depth 4); each page is a vectorised pass over it and one bounded
@@ -97,7 +97,8 @@ def catalog_view(
     for group in view.groups:
         group.examples = [(item_ids[r], titles.get(item_ids[r])) for r in group.examples]
     view.listed = [(i, titles.get(i), sid) for i, _, sid in view.listed]
-    _report(live.engine, bundle.semantic_id_version, view)
+    if not view.prefix:  # the report is the root page's
+        _report(live.engine, bundle.semantic_id_version, view)
     return view
 
 
