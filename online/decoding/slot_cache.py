@@ -104,10 +104,8 @@ class SlotModel:
             pending = [
                 p.prompt_ids[-1:] + list(s) for p, s in zip(prefixes, prompts.suffixes, strict=True)
             ]
-            before = [
-                p.prompt_ids[:-1][-self.context_width :] if self.context_width else []
-                for p in prefixes
-            ]
+            width = self.context_width
+            before = [p.prompt_ids[max(0, p.length - width) : p.length] for p in prefixes]
         else:
             if not prompts or any(len(p) == 0 for p in prompts):
                 raise ValueError("prompts must be a non-empty list of non-empty token lists")
@@ -134,6 +132,7 @@ class SlotModel:
         n_layers = config.num_hidden_layers
         self.storage = BUFFERS.take(2 * n_layers * math.prod(shape), self.dtype, self.device)
         views = self.storage[: 2 * n_layers * math.prod(shape)].view(2, n_layers, *shape)
+        self.layer_kv = views.flatten(0, 1)  # [keys of every layer, then values, B, ...]
         keys, values = list(views[0].unbind(0)), list(views[1].unbind(0))
         self.cache = SlotKV(self.base.config, keys, values)
         self.cache_kwarg = cache_argument(type(self.base))
@@ -145,52 +144,55 @@ class SlotModel:
             self.storage = self.cache = None
 
     def _copy_prefixes(self, prefixes, prefix_len: list[int]) -> None:
-        """Every user's cached prefix into its row, right-aligned, zeros before it (set-up, not
-        a decoding step: one copy per user and layer, which is what the prefix costs anyway)."""
+        """Every user's cached prefix into its row, right-aligned, zeros before it.
+
+        ``torch.stack(out=...)`` does the block copies (and the cast to the model's dtype)
+        in C++: one call per layer when every prefix has the same length, else one per
+        user for all its layers, instead of four Python tensor operations per user and layer.
+        """
         expected = len(self.cache.slot_keys)
         if any(len(p.keys) != expected for p in prefixes):
             raise ValueError(f"prefix KV with the wrong number of layers (model has {expected})")
-        width = self.prefix_width
-        for layer, (keys, values) in enumerate(
-            zip(self.cache.slot_keys, self.cache.slot_values, strict=True)
-        ):
-            for row, (prefix, length) in enumerate(zip(prefixes, prefix_len, strict=True)):
-                keys[row, :, : width - length].zero_()
-                values[row, :, : width - length].zero_()
-                keys[row, :, width - length : width] = prefix.keys[layer]
-                values[row, :, width - length : width] = prefix.values[layer]
-        lengths = torch.tensor(prefix_len, device=self.device)
-        self.prefix_visible = torch.arange(width, device=self.device) >= (width - lengths[:, None])
+        width, slots = self.prefix_width, self.layer_kv
+        per_user = [[*p.keys, *p.values] for p in prefixes]
+        if all(length == width for length in prefix_len):
+            for i in range(slots.shape[0]):
+                _stack_into([tensors[i] for tensors in per_user], slots[i, :, :, :width])
+        else:
+            for row, (tensors, length) in enumerate(zip(per_user, prefix_len, strict=True)):
+                if length < width:
+                    slots[:, row, :, : width - length].zero_()
+                _stack_into(tensors, slots[:, row, :, width - length : width])
 
     def _pending(
         self, prefix_len: list[int], pending: list[list[int]], before: list[list[int]]
     ) -> None:
-        width, device = self.pending_width, self.device
-        self.pending_ids = torch.tensor(
-            [p + [0] * (width - len(p)) for p in pending], dtype=torch.long, device=device
-        )
-        lengths = torch.tensor([len(p) for p in pending], device=device)
+        """The pending tokens' ids, positions and masks: a handful of tensor operations for the
+        whole batch (one ``torch.tensor`` for ids and lengths; no per-user tensor work)."""
+        width, device, start = self.pending_width, self.device, self.prefix_width
+        rows = zip(pending, prefix_len, strict=True)
+        table = torch.tensor(
+            [p + [0] * (width - len(p)) + [len(p), o] for p, o in rows],
+            dtype=torch.long, device=device,
+        )  # fmt: skip
+        self.pending_ids, lengths, offsets = table[:, :width], table[:, width], table[:, -1]
         column = torch.arange(width, device=device)
-        self.pending_valid = column < lengths[:, None]
-        offsets = torch.tensor(prefix_len, device=device)
-        self.pending_positions = torch.where(self.pending_valid, offsets[:, None] + column, 0)
+        valid = column < lengths[:, None]
+        self.pending_positions = torch.where(valid, offsets[:, None] + column, 0)
         self.prompt_len = offsets + lengths  # [B]: position of the first generated token
         self.pending_tips = lengths - 1  # [B]: column of each user's last pending token
-        if not self.prefix_width:
-            self.prefix_visible = torch.zeros(self.n_users, 0, dtype=torch.bool, device=device)
-        prompt_visible = torch.zeros(self.n_users, self.capacity, dtype=torch.bool, device=device)
-        prompt_visible[:, : self.prefix_width] = self.prefix_visible
-        prompt_visible[:, self.prefix_width : self.prefix_width + width] = self.pending_valid
+        # a user's prompt is one run of slots: its prefix ends at ``start``, its pending tokens
+        # begin there
+        slot = torch.arange(self.capacity, device=device)
+        prompt_visible = (slot >= start - offsets[:, None]) & (slot < start + lengths[:, None])
         self.hidden_value = torch.finfo(self.dtype).min  # additive mask of a slot not attended to
         self.prompt_mask = self._additive(prompt_visible)
         # pending token i sees the prefix and the pending tokens up to i; padding sees only itself
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        chain = causal & self.pending_valid[:, None, :] & self.pending_valid[:, :, None]
-        chain |= torch.eye(width, dtype=torch.bool, device=device)
-        prefix = self.prefix_visible[:, None, :] & self.pending_valid[:, :, None]
-        self.pending_mask = self._additive(
-            torch.cat([prefix, chain], 2)
-        )  # [B, width, prefix + width]
+        seen = slot[: start + width]
+        own = (start + column)[:, None]
+        chain = prompt_visible[:, None, : start + width] & (seen <= own)
+        self.pending_mask = self._additive(torch.where(valid[:, :, None], chain, seen == own))
+        # [B, width, prefix + width]
         self.context = None
         if self.context_width:
             self.context = torch.tensor(
@@ -199,8 +201,8 @@ class SlotModel:
             )  # fmt: skip
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~visible, self.hidden_value)
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(visible, zero, self.hidden_value)
 
     def attention_mask(self, paths: torch.Tensor, width: int) -> torch.Tensor:
         """Tensor[B, Q, width], additive: the prompt plus the slots in ``paths`` ([B, Q, depth],
@@ -258,3 +260,12 @@ class SlotModel:
                 [pending, self.embedding(ids[:, width:], find_items=False)], 1
             )
         }
+
+
+def _stack_into(tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out[i] = tensors[i]`` (cast to ``out``'s dtype): in place when they share a device,
+    else stacked where they are and copied over in one transfer (prefixes loaded on a CPU)."""
+    if tensors[0].device == out.device:
+        torch.stack(tensors, out=out)
+    else:
+        out.copy_(torch.stack(tensors))
