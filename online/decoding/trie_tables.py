@@ -15,7 +15,9 @@ children that missing beams and finished users point at. Per global node:
   the level's code count, and everywhere for items and the sink);
 - ``child[node, c]``: the node it leads to (``sink`` where not allowed);
 - ``settles[node]``: every child holds a single item (``ItemTrie.settles``);
-- ``item_below[node]``: the catalog row of the node's only item (-1 if several).
+- ``item_below[node]``: the catalog row of the node's only item (-1 if several);
+- ``child_codes[d][node, j]``: the j-th code a level-d node allows (padded with codes it
+  does not), so that a top-K at one level need only look at allowed codes.
 
 ``dead_nodes(exclude)`` turns per-user catalog rows to exclude into one
 BoolTensor[B, n_nodes] of the nodes all of whose items a user excludes: the one
@@ -93,6 +95,20 @@ class TrieTables:
         code = torch.arange(self.width, device=device)
         self.item_row = (starts - layout.item_token_start)[:, None] + code
         self.item_row = self.item_row.clamp(max=layout.num_item_tokens - 1)  # pads: never allowed
+        self.child_codes = self._child_codes()
+
+    def _child_codes(self) -> list[torch.Tensor | None]:
+        """Per level d: LongTensor[n_nodes, F_d], the codes each node allows, ascending, padded
+        with codes it does not (F_d: the level's widest node); None where F_d is over half the
+        padded width (the root's level: narrowing to its codes saves nothing)."""
+        # every node's allowed codes first, in code order, then the others
+        order = (~self.allowed).to(torch.uint8).argsort(dim=1, stable=True)
+        tables: list[torch.Tensor | None] = []
+        for d in range(self.depth):
+            counts = self.allowed[self.offsets[d] : self.offsets[d + 1]].sum(1)
+            fan = int(counts.max()) if len(counts) else 0
+            tables.append(order[:, :fan].contiguous() if 0 < 2 * fan <= self.width else None)
+        return tables
 
     @classmethod
     def of(cls, trie: ItemTrie) -> TrieTables:
