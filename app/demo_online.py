@@ -35,7 +35,11 @@ class TopicTail:
         from kafka import KafkaConsumer, TopicPartition
 
         self.consumer = open_client(
-            KafkaConsumer, settings.kafka, group_id=None, enable_auto_commit=False
+            KafkaConsumer,
+            settings.kafka,
+            group_id=None,
+            enable_auto_commit=False,
+            isolation_level="read_committed",  # exactly-once workers: only committed answers
         )
         partitions = [TopicPartition(topic, p) for p in self.consumer.partitions_for_topic(topic)]
         self.consumer.assign(partitions)

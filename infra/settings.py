@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -116,6 +117,14 @@ class OnlineSettings(BaseModel):
     """The online worker ``genrec serve``: micro-batching, prefix-KV memory, decoding, metrics."""
 
     group_id: str = "genrec-online"
+    # at_least_once: publish, then commit (a crash in between answers those events again,
+    # with the same request_id). exactly_once: each batch is consumed, answered and its
+    # offsets committed in one Kafka transaction (read the topic with read_committed).
+    processing_guarantee: Literal["at_least_once", "exactly_once"] = "at_least_once"
+    # This worker's stable name: its transactional.id is "<group_id>.<instance_id>", so a
+    # restarted worker fences its previous self. Default: the host name; set it when a host
+    # runs several workers (a StatefulSet's pod name is stable already).
+    instance_id: str | None = None
     # Where a brand-new consumer group starts; "latest" skips a backlog of old events.
     auto_offset_reset: Literal["earliest", "latest"] = "latest"
     # A batch is decoded as soon as the decoder is free (with decode_thread: about to be)
@@ -172,6 +181,10 @@ class OnlineSettings(BaseModel):
     def generative_beams(self) -> int:
         """``beam_width``, or twice ``k`` when unset."""
         return self.beam_width or 2 * self.k
+
+    def transactional_id(self) -> str:
+        """The exactly-once producer's ``transactional.id`` (``processing_guarantee``)."""
+        return f"{self.group_id}.{self.instance_id or socket.gethostname()}"
 
 
 # The decoding runtime's choices (online/models/runtime.py, bench --dtype/--compile).

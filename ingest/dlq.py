@@ -45,6 +45,7 @@ class DeadLetterPublisher:
                 KafkaProducer,
                 self.settings.kafka,
                 acks="all",
+                enable_idempotence=True,  # a retried send never lands twice
                 linger_ms=5,
                 reconnect_backoff_max_ms=2000,
             )

@@ -218,6 +218,7 @@ def make_producer(settings: Settings) -> Any:
         KafkaProducer,
         settings.kafka,
         acks="all",
+        enable_idempotence=True,  # a retried send never lands twice
         linger_ms=20,
         batch_size=512 * 1024,
         reconnect_backoff_max_ms=2000,

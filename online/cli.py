@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
@@ -72,4 +73,7 @@ def _serve(args: argparse.Namespace) -> int:
             server.stop()
     print(f"served {report.requests:,} requests ({report.events:,} events) in "
           f"{report.batches:,} batches; versions {report.versions}")  # fmt: skip
+    if report.fenced:  # a supervisor must not restart this instance while the other runs
+        print("stopped: fenced by another worker with the same transactional.id", file=sys.stderr)
+        return 3
     return 0

@@ -57,6 +57,7 @@ from genrec.infra.topics import subscribe_when_ready
 from genrec.online.batch_pipeline import BatchTimer, DecodeStage, InFlightBatch
 from genrec.online.live_version import ServingVersions
 from genrec.online.recommender import Recommender, Request
+from genrec.online.transactions import ProducerFenced, TransactionAborted, TransactionalPublisher
 from genrec.schemas.events import UserEvent, validate_event
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class WorkerReport:
     publish_failures: int = 0
     commit_failures: int = 0
     versions: list[str] = field(default_factory=list)
+    fenced: bool = False  # exactly-once: another worker with our transactional.id took over
 
 
 @dataclass
@@ -124,9 +126,16 @@ class OnlineWorker(BatchHandler):
         self.report = WorkerReport()
         self._failures = 0  # batches in a row that could not be answered
         self._commit_failures = 0  # answered batches in a row whose offsets did not commit
-        self.decoder = DecodeStage(self._serve, threaded=self.online.decode_thread)
+        self.exactly_once = self.online.processing_guarantee == "exactly_once"
+        threaded = self.online.decode_thread and not self.exactly_once
+        if self.online.decode_thread and self.exactly_once:
+            # A transaction brackets consume -> publish -> commit of one batch at a time,
+            # on the consumer's thread (whose group generation the offsets carry).
+            log.warning("online.decode_thread is ignored with exactly_once processing")
+        self.decoder = DecodeStage(self._serve, threaded=threaded)
         self.consumer: Any = None
         self.producer: Any = None
+        self.publisher: TransactionalPublisher | None = None
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -144,7 +153,11 @@ class OnlineWorker(BatchHandler):
         """Serve until ``request_stop``, ``exit_when_idle_s`` without events, or ``max_requests``."""
         self.consumer = self._consumer_factory(_Rebalance(self))
         try:
-            self.producer = self._producer_factory()
+            if self.exactly_once:
+                self.publisher = TransactionalPublisher(self._producer_factory)
+                self.producer = self.publisher.producer
+            else:
+                self.producer = self._producer_factory()
         except BaseException:  # e.g. Kafka gone meanwhile: leave the group now, not later
             self.consumer.close()
             raise
@@ -195,8 +208,11 @@ class OnlineWorker(BatchHandler):
         received = min(p.received_at for p in polled)
         metrics.STAGE_LATENCY.labels(stage="gather").observe(batch.gathered_at - received)
         if not batch.requests:  # only invalid events: nothing to answer, offsets to commit
-            batch.mark_sent()
             self._in_flight.append(batch)
+            if self.exactly_once:
+                self._publish_transaction(batch, [])
+            else:
+                batch.mark_sent()
             return
         if self._prepare(batch):
             self._in_flight.append(batch)
@@ -231,7 +247,9 @@ class OnlineWorker(BatchHandler):
     def release(self) -> None:
         self.decoder.stop(timeout_s=self.online.publish_timeout_s)
         try:
-            if self.producer is not None:
+            if self.publisher is not None:
+                self.publisher.close()
+            elif self.producer is not None:
                 self.producer.close()
         except Exception:
             log.exception("closing the Kafka producer failed")
@@ -292,6 +310,9 @@ class OnlineWorker(BatchHandler):
         return True
 
     def _send(self, batch: InFlightBatch, payloads: Sequence[tuple[bytes, bytes]]) -> None:
+        if self.exactly_once:
+            self._publish_transaction(batch, payloads)
+            return
         topic = self.settings.kafka.topic_recommendations
         batch.expect_acks(len(payloads))
         try:
@@ -302,6 +323,36 @@ class OnlineWorker(BatchHandler):
         except Exception as exc:  # e.g. the producer's buffer stayed full past max_block_ms
             batch.failed(exc)
         batch.mark_sent()
+
+    def _publish_transaction(
+        self, batch: InFlightBatch, payloads: Sequence[tuple[bytes, bytes]]
+    ) -> None:
+        """Exactly-once: the batch's messages and next offsets in one transaction, committed
+        before this returns (the consumer's thread: the offsets carry its group generation)."""
+        offsets = _next_offsets(batch.polled)
+        batch.expect_acks(0)
+        if set(self._owned(offsets)) != set(offsets):  # revoked meanwhile: its new owner's
+            batch.failed(TransactionAborted("partitions revoked before publishing"))
+            return
+        try:
+            self.publisher.publish(
+                self.settings.kafka.topic_recommendations, payloads, offsets,
+                self.consumer.group_metadata(),
+            )  # fmt: skip
+        except TransactionAborted as exc:
+            batch.failed(exc)
+            return
+        except ProducerFenced as exc:
+            log.error(
+                "fenced: another worker with transactional.id %s took over (%s); stopping",
+                self.online.transactional_id(), exc,
+            )  # fmt: skip
+            metrics.ERRORS.labels(component="online", kind="fenced").inc()
+            self.report.fenced = True
+            batch.failed(exc)
+            self.loop.request_stop()
+            return
+        batch.mark_sent()  # committed: every message is acknowledged
 
     # --- acknowledge and commit (the consumer's thread) ------------------------------------
 
@@ -324,7 +375,8 @@ class OnlineWorker(BatchHandler):
         if not batches:
             return
         self._failures = 0
-        self._commit_async(_next_offsets(p for b in batches for p in b.polled))
+        if not self.exactly_once:  # exactly-once batches committed theirs in the transaction
+            self._commit_async(_next_offsets(p for b in batches for p in b.polled))
         for batch in batches:
             self._account(batch)
         metrics.record_lag("online", self.consumer)
@@ -453,7 +505,8 @@ class OnlineWorker(BatchHandler):
             done = not lost and not left and batch.state(time.monotonic(), float("inf")) == "done"
             if done:
                 self._account(batch)
-                offsets.update(_next_offsets(batch.polled))
+                if not self.exactly_once:  # else committed in its transaction already
+                    offsets.update(_next_offsets(batch.polled))
             else:
                 left.extend(batch.polled)
         if self._in_flight:
@@ -504,7 +557,10 @@ class OnlineWorker(BatchHandler):
     def _kafka_producer(self) -> Any:
         # linger 0: a batch's messages leave at once (the decode thread sends them all in
         # one go, and the sender packs whatever queued meanwhile into its next request).
-        return open_client(KafkaProducer, self.settings.kafka, acks="all", linger_ms=0)
+        options: dict[str, Any] = {"acks": "all", "linger_ms": 0, "enable_idempotence": True}
+        if self.exactly_once:
+            options["transactional_id"] = self.online.transactional_id()
+        return open_client(KafkaProducer, self.settings.kafka, **options)
 
 
 def group_requests(polled: Sequence[_Polled]) -> list[Request]:

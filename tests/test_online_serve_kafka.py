@@ -54,7 +54,10 @@ CACHED_USERS = [str(u) for u in range(1, SERVING_USERS + 1)]  # every one has a 
 class Worker:
     """One `genrec serve` subprocess; its log goes to ``log_path``."""
 
-    def __init__(self, home: Path, kafka: KafkaSettings, group: str, log_path: Path) -> None:
+    def __init__(
+        self, home: Path, kafka: KafkaSettings, group: str, log_path: Path, **settings: str
+    ) -> None:
+        """``settings``: more ``GENREC_ONLINE__*`` variables, e.g. ``PROCESSING_GUARANTEE``."""
         self.port = pick_free_ports(1)[0]
         self.log_path = log_path
         env = {
@@ -69,6 +72,7 @@ class Worker:
             "GENREC_ONLINE__SESSION_TIMEOUT_MS": "6000",  # the broker's minimum
             "GENREC_ONLINE__MAX_BATCH_USERS": "16",
             "GENREC_ONLINE__TORCH_THREADS": "1",
+            **{f"GENREC_ONLINE__{name}": value for name, value in settings.items()},
         }
         with log_path.open("ab") as log:
             self.process = subprocess.Popen(
@@ -161,7 +165,10 @@ class Recommendations:
     """Reads the recommendations topic from its beginning (no group)."""
 
     def __init__(self, kafka: KafkaSettings) -> None:
-        self.consumer = KafkaConsumer(bootstrap_servers=kafka.bootstrap, enable_auto_commit=False)
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=kafka.bootstrap, enable_auto_commit=False,
+            isolation_level="read_committed",
+        )  # fmt: skip
         partitions = self.consumer.partitions_for_topic(kafka.topic_recommendations) or set()
         topic_partitions = [TopicPartition(kafka.topic_recommendations, p) for p in partitions]
         self.consumer.assign(topic_partitions)
@@ -397,6 +404,38 @@ def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
     twice = sorted(e for e, n in counts.items() if n > 1)
     print(f"{len(sent.sent)} events, {len(answers.messages)} answers, "
           f"{len(twice)} answered twice (between the killed worker's publish and commit)")  # fmt: skip
+    answers.close()
+
+
+def test_exactly_once_kill_9_answers_every_event_once(serving_home, kafka_broker, tmp_path) -> None:
+    """Transactions: a worker killed mid-stream leaves nothing visible twice to a
+    read_committed consumer; its restart (same instance id) fences what it left open."""
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
+    options = {"PROCESSING_GUARANTEE": "exactly_once", "INSTANCE_ID": "w1"}
+    first = Worker(serving_home, kafka, group, tmp_path / "first.log", **options)
+    second = None
+    stream = EventStream(sent, rate=30)
+    try:
+        first.wait_healthy()
+        stream.start()
+        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # events keep coming meanwhile
+        second = Worker(serving_home, kafka, group, tmp_path / "second.log", **options)
+        second.wait_healthy()
+        time.sleep(2.0)
+        stream.stop()
+        answers.wait_answered(list(sent.sent), 180, second)
+        assert second.stop(signal.SIGTERM) == 0, second.log()
+    finally:
+        stream.halt.set()
+        first.stop(signal.SIGKILL)
+        if second is not None:
+            second.stop(signal.SIGKILL)
+        sent.close()
+    for _ in range(5):
+        answers.poll()
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
+    assert len({m.request_id for m in answers.messages}) == len(answers.messages)
     answers.close()
 
 

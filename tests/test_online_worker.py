@@ -9,12 +9,14 @@ from collections import deque
 from dataclasses import dataclass
 
 import pytest
+from kafka import errors as kafka_errors
 from kafka.future import Future
 from kafka.structs import TopicPartition
 
 from genrec.infra.settings import Settings
 from genrec.online.live_version import ServingBundle, ServingVersions
 from genrec.online.recommender import PreparedBatch
+from genrec.online.transactions import TransactionAborted, TransactionalPublisher
 from genrec.online.worker import OnlineWorker
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
@@ -134,7 +136,7 @@ class FakeProducer:
         self.sent.append((key, RecommendationMessage.model_validate_json(value)))
         return future if self.manual else future.success("ack")
 
-    def close(self):
+    def close(self, timeout=None):
         self.closed = True
 
 
@@ -625,3 +627,111 @@ def test_the_batch_timer_fits_a_fixed_cost_beside_the_cost_per_user() -> None:
         timer.record(users, 0.006 + 0.004 * users)
     assert timer.predict(16) == pytest.approx(0.070, rel=0.05)
     assert timer.predict(1) == pytest.approx(0.010, rel=0.05)
+
+
+# --- exactly-once (online.processing_guarantee) ------------------------------------------
+
+
+class FakeTransactionalProducer(FakeProducer):
+    """Transactions as the broker keeps them: sends and offsets visible only once committed;
+    ``fail_commits`` refuses that many commits (as a coordinator refusing a stale
+    generation does), ``fenced`` raises what a fenced producer raises."""
+
+    def __init__(self, fail_commits: int = 0, fenced: bool = False) -> None:
+        super().__init__()
+        self.fail_commits, self.fenced = fail_commits, fenced
+        self.pending: list = []
+        self.pending_offsets: dict = {}
+        self.committed_offsets: dict = {}
+        self.log: list[str] = []
+
+    def init_transactions(self):
+        self.log.append("init")
+
+    def begin_transaction(self):
+        self.log.append("begin")
+        self.pending, self.pending_offsets = [], {}
+
+    def send(self, topic, key, value):
+        self.pending.append((key, RecommendationMessage.model_validate_json(value)))
+        return Future().success("ack")
+
+    def send_offsets_to_transaction(self, offsets, group_metadata):
+        assert group_metadata == "generation-1"
+        self.pending_offsets = {tp: meta.offset for tp, meta in offsets.items()}
+
+    def commit_transaction(self):
+        if self.fenced:
+            raise kafka_errors.ProducerFencedError("another producer with this id")
+        if self.fail_commits:
+            self.fail_commits -= 1
+            raise kafka_errors.CommitFailedError("stale generation")
+        self.log.append("commit")
+        self.sent.extend(self.pending)
+        self.committed_offsets.update(self.pending_offsets)
+
+    def abort_transaction(self):
+        self.log.append("abort")
+
+
+def exactly_once_worker(arrivals, producer):
+    worker, consumer, producer, versions = make_worker(
+        arrivals, producer, processing_guarantee="exactly_once", instance_id="w1"
+    )
+    consumer.group_metadata = lambda: "generation-1"
+    return worker, consumer, producer
+
+
+def test_exactly_once_commits_messages_and_offsets_in_one_transaction() -> None:
+    batch = [record(0, 10, "a1", "alice"), record(1, 5, "b1", "bob")]
+    worker, consumer, producer = exactly_once_worker([batch], FakeTransactionalProducer())
+    report = worker.run(exit_when_idle_s=IDLE_S)
+    assert {m.event_id for _, m in producer.sent} == {"a1", "b1"}
+    assert producer.committed_offsets == {TopicPartition(TOPIC, 0): 11, TopicPartition(TOPIC, 1): 6}
+    assert consumer.commits == []  # no commit outside the transaction
+    assert producer.log == ["init", "begin", "commit"] and report.requests == 2
+    assert worker.settings.online.transactional_id() == "genrec-online.w1"
+
+
+def test_exactly_once_an_aborted_transaction_is_served_again_and_never_seen_twice() -> None:
+    batch = [record(2, 40, "c1", "carol"), record(2, 41, "d1", "dave")]
+    producer = FakeTransactionalProducer(fail_commits=1)
+    worker, consumer, producer = exactly_once_worker([batch], producer)
+    report = worker.run(exit_when_idle_s=IDLE_S)
+    assert producer.log == ["init", "begin", "abort", "begin", "commit"]
+    assert consumer.seeks == [(2, 40)]
+    assert sorted(m.event_id for _, m in producer.sent) == ["c1", "d1"]  # once each
+    assert producer.committed_offsets == {TopicPartition(TOPIC, 2): 42}
+    assert report.publish_failures == 1
+
+
+def test_exactly_once_a_fenced_worker_stops() -> None:
+    batch = [record(0, 1, "e1", "erin")]
+    worker, _consumer, producer = exactly_once_worker(
+        [batch], FakeTransactionalProducer(fenced=True)
+    )
+    report = worker.run(exit_when_idle_s=30)  # stops at once, not when idle
+    assert report.fenced and producer.sent == [] and producer.closed
+
+
+def test_a_transactional_publisher_replaces_a_producer_that_cannot_abort() -> None:
+    class Stuck(FakeTransactionalProducer):
+        def abort_transaction(self):
+            raise kafka_errors.KafkaError("fatal state")
+
+    made: list = []
+
+    def factory():
+        made.append(Stuck(fail_commits=1) if not made else FakeTransactionalProducer())
+        return made[-1]
+
+    publisher = TransactionalPublisher(factory)
+    with pytest.raises(TransactionAborted):
+        publisher.publish(
+            "t",
+            [(b"k", RecommendationMessage(user_id="u", items=[], latency_ms=0).to_json_bytes())],
+            {},
+            None,
+        )
+    assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
+    assert made[1].log == ["init"]  # the new producer's init fences and aborts the old one

@@ -321,7 +321,9 @@ class EventSender:
 
     def __init__(self, settings: Settings) -> None:
         self.topic = settings.kafka.topic_events
-        self.producer = open_client(KafkaProducer, settings.kafka, acks="all", linger_ms=2)
+        self.producer = open_client(
+            KafkaProducer, settings.kafka, acks="all", linger_ms=2, enable_idempotence=True
+        )
         self.partitions = len(self.producer.partitions_for(self.topic))
         self._failures: list[BaseException] = []
 
@@ -389,7 +391,7 @@ class AnswerLog:
     def __init__(self, settings: Settings, group_id: str, timeout_s: float) -> None:
         self.consumer = open_client(
             KafkaConsumer, settings.kafka, group_id=group_id, enable_auto_commit=False,
-            auto_offset_reset="latest", fetch_max_wait_ms=50,
+            auto_offset_reset="latest", fetch_max_wait_ms=50, isolation_level="read_committed",
         )  # fmt: skip
         try:
             _assign(self.consumer, settings.kafka.topic_recommendations, timeout_s)
