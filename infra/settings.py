@@ -148,6 +148,10 @@ class OnlineSettings(BaseModel):
     # to +0.021 from 10 beams to 20, none more from 40 or 50), and 20 beams cost ~10%
     # more time than 10 on the CPU.
     beam_width: int | None = Field(default=None, ge=1)
+    # Leave out items the user already had, in the generative search, every branch and the
+    # merge. Off for catalogs people re-consume (grocery, music, news): a seen item can then
+    # come back from any list (docs/evaluation.md, "Repeat consumption").
+    exclude_seen: bool = True
 
     # "auto": the faster of the two lossless modes (strict, target), timed on this worker's
     # own batches: on a CPU target wins, on a GPU with a large target strict does

@@ -1,8 +1,9 @@
 """Commands of the evaluation step and of the recall branches.
 
-- ``genrec eval [--json PATH] [--plot PATH] [--tune-merge] [--no-generative] [--max-users N]``:
-  the fixed leave-one-out protocol (docs/evaluation.md) over every ranker; prints one
-  table, optionally writes the JSON report and a PNG bar chart.
+- ``genrec eval [--json PATH] [--plot PATH] [--tune-merge] [--no-generative] [--max-users N]
+  [--allow-seen | --exclude-seen]``: the fixed leave-one-out protocol (docs/evaluation.md)
+  over every ranker, seen items excluded unless allowed (default ``recall.eval_exclude_seen``);
+  prints one table, optionally writes the JSON report and a PNG bar chart.
 - ``genrec offline fit-recall [--until-ts-ms T] [--out DIR]``: fits popularity, item-CF
   and ANN on the stored events (up to T) and swaps them into ``DIR/<branch>``
   (default ``recall.artifacts_dir`` or ``data_dir/recall``), where serving loads them.
@@ -34,8 +35,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     evaluate = commands.add_parser(
         "eval",
         help="evaluate every ranker under the fixed leave-one-out protocol",
-        description="Leave-one-out by time, full-catalog ranking, history excluded, "
-        "HR/NDCG@{5,10,20}: popularity, itemcf, ann, generative, merged, drafts.",
+        description="Leave-one-out by time, full-catalog ranking, history excluded "
+        "(unless --allow-seen), HR/NDCG@{5,10,20}: popularity, itemcf, ann, generative, "
+        "merged, drafts.",
     )
     evaluate.add_argument("--json", type=Path, default=None, help="write the report here")
     evaluate.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart here")
@@ -48,6 +50,16 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     evaluate.add_argument(
         "--max-users", type=int, default=None, help="only the first N test users (quick checks)"
     )
+    seen = evaluate.add_mutually_exclusive_group()
+    seen.add_argument(
+        "--allow-seen", dest="exclude_seen", action="store_false", default=None,
+        help="let every ranker return history items; a repeated test item counts as a hit "
+        "(re-consumption: grocery, music, news)",
+    )  # fmt: skip
+    seen.add_argument(
+        "--exclude-seen", dest="exclude_seen", action="store_true", default=None,
+        help="leave history items out (default, unless recall.eval_exclude_seen is false)",
+    )  # fmt: skip
     evaluate.set_defaults(handler=_eval)
 
     offline = groups.group("offline", "offline step: semantic IDs, models, prefix KV, recall")
@@ -75,6 +87,7 @@ def _eval(args: argparse.Namespace) -> int:
             generative=not args.no_generative,
             tune_merge=args.tune_merge,
             max_users=args.max_users,
+            exclude_seen=args.exclude_seen,  # None: recall.eval_exclude_seen
         )
     except ValueError as exc:
         raise UserFacingError(str(exc)) from exc

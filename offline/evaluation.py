@@ -1,14 +1,17 @@
 """The evaluation step: one fixed protocol, HR/NDCG metrics, and every ranker compared.
 
 Protocol (docs/evaluation.md): leave-one-out by time (``genrec.offline.splits``),
-ranking over the full catalog, items already in the user's history excluded,
-HR@{5,10,20} and NDCG@{5,10,20} averaged over users with a test case.
+ranking over the full catalog, items already in the user's history excluded
+(``recall.eval_exclude_seen``; off, for re-consumption, they may be ranked and a
+repeated target is a hit), HR@{5,10,20} and NDCG@{5,10,20} averaged over users
+with a test case.
 
 A *ranker* is any ``Callable[[Sequence[Case], int], list[list[(item_id, score)]]]``
-returning, per case, at most k items best first. Rankers are asked to leave out
-the case's history themselves (so they can use all k slots); the harness then
-drops any history item that slips through and cuts each list to k, so a ranker
-that ignores the rule loses slots rather than gaining hits.
+returning, per case, at most k items best first. With seen items excluded, rankers
+are asked to leave out the case's history themselves (so they can use all k
+slots); the harness then drops any history item that slips through and cuts each
+list to k, so a ranker that ignores the rule loses slots rather than gaining hits.
+With seen items allowed nothing is asked or dropped but repeats within a list.
 
 Traditional branches are fitted on everything before the predicted item: on the
 training sequences for validation cases, on training + validation items for test
@@ -52,11 +55,13 @@ def evaluate_rankings(
     rankings: Sequence[Sequence[Recommendation]],
     cases: Sequence[Case],
     ks: Sequence[int] = DEFAULT_KS,
+    *,
+    exclude_seen: bool = True,
 ) -> dict[str, float | int]:
     """Mean HR@k and NDCG@k (one relevant item: 1 / log2(rank + 1), rank from 1)."""
     if not ks or min(ks) < 1:
         raise ValueError(f"ks must be positive cutoffs, got {ks}")
-    ranks = case_ranks(rankings, cases, max(ks))
+    ranks = case_ranks(rankings, cases, max(ks), exclude_seen=exclude_seen)
     n = max(len(cases), 1)
     metrics: dict[str, float | int] = {}
     for k in ks:
@@ -67,12 +72,19 @@ def evaluate_rankings(
 
 
 def case_ranks(
-    rankings: Sequence[Sequence[Recommendation]], cases: Sequence[Case], depth: int
+    rankings: Sequence[Sequence[Recommendation]],
+    cases: Sequence[Case],
+    depth: int,
+    *,
+    exclude_seen: bool = True,
 ) -> list[int | None]:
     """Per case, the target's rank within ``depth`` (``target_rank``), or None."""
     if len(rankings) != len(cases):
         raise ValueError(f"{len(rankings)} rankings for {len(cases)} cases")
-    return [target_rank(ranked, case, depth) for ranked, case in zip(rankings, cases, strict=True)]
+    return [
+        target_rank(ranked, case, depth, exclude_seen=exclude_seen)
+        for ranked, case in zip(rankings, cases, strict=True)
+    ]
 
 
 def hit(rank: int | None, k: int) -> float:
@@ -84,9 +96,12 @@ def gain(rank: int | None, k: int) -> float:
     return 1.0 / math.log2(rank + 1) if rank is not None and rank <= k else 0.0
 
 
-def target_rank(ranked: Sequence[Recommendation], case: Case, depth: int) -> int | None:
-    """1-based rank of ``case.target`` after dropping history items and repeats, or None."""
-    seen = set(case.history)
+def target_rank(
+    ranked: Sequence[Recommendation], case: Case, depth: int, *, exclude_seen: bool = True
+) -> int | None:
+    """1-based rank of ``case.target`` after dropping repeats and (``exclude_seen``) history
+    items, or None. Excluded, a target the user already had can never be hit."""
+    seen = set(case.history) if exclude_seen else set()
     rank = 0
     for item_id, _score in ranked:
         if item_id in seen:
@@ -101,11 +116,16 @@ def target_rank(ranked: Sequence[Recommendation], case: Case, depth: int) -> int
 
 
 def evaluate_ranker(
-    ranker: Ranker, cases: Sequence[Case], ks: Sequence[int] = DEFAULT_KS
+    ranker: Ranker, cases: Sequence[Case], ks: Sequence[int] = DEFAULT_KS, *, exclude_seen=True
 ) -> tuple[dict[str, float | int], list[list[Recommendation]]]:
     """Metrics of ``ranker`` on ``cases`` (asked for max(ks) items) and its rankings."""
     rankings = ranker(cases, max(ks))
-    return evaluate_rankings(rankings, cases, ks), rankings
+    return evaluate_rankings(rankings, cases, ks, exclude_seen=exclude_seen), rankings
+
+
+def repeat_targets(cases: Sequence[Case]) -> int:
+    """How many cases hold out an item already in their history (a re-consumption)."""
+    return sum(case.target in set(case.history) for case in cases)
 
 
 def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
@@ -126,10 +146,16 @@ def paired_difference(a: Sequence[float], b: Sequence[float]) -> dict[str, float
 
 
 def compare_to_branches(
-    lists: Mapping[str, Sequence[Sequence[Recommendation]]], cases: Sequence[Case], k: int = 10
+    lists: Mapping[str, Sequence[Sequence[Recommendation]]],
+    cases: Sequence[Case],
+    k: int = 10,
+    *,
+    exclude_seen: bool = True,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """``generative`` and ``merged`` minus each traditional branch, HR@k and NDCG@k, paired."""
-    ranks = {name: case_ranks(rows, cases, k) for name, rows in lists.items()}
+    ranks = {
+        name: case_ranks(rows, cases, k, exclude_seen=exclude_seen) for name, rows in lists.items()
+    }
     out: dict[str, dict[str, dict[str, float]]] = {}
     for name in ("generative", "merged"):
         if name not in ranks:
@@ -178,12 +204,15 @@ class ProtocolData:
         return cases[:max_users] if max_users else cases
 
 
-def branch_ranker(branch: RecallBranch, timestamps: Mapping[str, Sequence[int]]) -> Ranker:
-    """A ranker over a fitted branch; timestamps of each case's history come from ``timestamps``."""
+def branch_ranker(
+    branch: RecallBranch, timestamps: Mapping[str, Sequence[int]], exclude_seen: bool = True
+) -> Ranker:
+    """A ranker over a fitted branch; timestamps of each case's history come from ``timestamps``.
+    ``exclude_seen`` False: the branch may return the case's history items."""
 
     def rank(cases: Sequence[Case], k: int) -> list[list[Recommendation]]:
         histories = [case.history for case in cases]
-        excludes = [set(case.history) for case in cases]
+        excludes = [set(case.history) for case in cases] if exclude_seen else None
         stamps = [
             list(timestamps[c.user_id][: len(c.history)]) if c.user_id in timestamps else None
             for c in cases
@@ -231,10 +260,14 @@ def tune_merge_weights(
     k: int,
     recall,
     metric: str = "NDCG@10",
+    exclude_seen: bool = True,
 ) -> tuple[dict[str, float], float]:
     """Grid search of RRF weights on (validation) ``cases``; the best single list keeps weight 1."""
     ks = tuple(sorted({k, int(metric.split("@")[1])}))
-    single = {name: evaluate_rankings(rows, cases, ks)[metric] for name, rows in lists.items()}
+    single = {
+        name: evaluate_rankings(rows, cases, ks, exclude_seen=exclude_seen)[metric]
+        for name, rows in lists.items()
+    }
     anchor = max(single, key=single.get)
     others = [name for name in lists if name != anchor]
     best_weights, best_value = {anchor: 1.0, **dict.fromkeys(others, 0.0)}, single[anchor]
@@ -243,7 +276,7 @@ def tune_merge_weights(
         merged = merge_rankings(
             lists, k, recall.model_copy(update={"merge_method": "rrf"}), weights
         )
-        value = evaluate_rankings(merged, cases, ks)[metric]
+        value = evaluate_rankings(merged, cases, ks, exclude_seen=exclude_seen)[metric]
         if value > best_value + 1e-12:
             best_weights, best_value = weights, value
     return best_weights, best_value
@@ -260,15 +293,22 @@ def run_protocol(
     tune_merge: bool = False,
     max_users: int | None = None,
     progress: bool = True,
+    exclude_seen: bool | None = None,
 ) -> dict[str, Any]:
-    """Evaluate every ranker on the test cases; the JSON ``genrec eval`` writes."""
+    """Evaluate every ranker on the test cases; the JSON ``genrec eval`` writes.
+
+    ``exclude_seen`` (default ``recall.eval_exclude_seen``): False lets every ranker, the
+    generative search included, return history items, and a repeated target counts."""
     recall = settings.recall
+    exclude = recall.eval_exclude_seen if exclude_seen is None else exclude_seen
     ks = tuple(sorted(recall.eval_ks))
     k = max(ks)
     data = ProtocolData(engine)
     test_cases = data.cases("test", max_users)
-    notes: list[str] = []
-    report: dict[str, Any] = {"protocol": protocol_description(data, ks, len(test_cases), recall)}
+    notes = [_repeat_note(test_cases, exclude)]
+    report: dict[str, Any] = {
+        "protocol": protocol_description(data, ks, test_cases, recall, exclude)
+    }
 
     _, test_stamps = data.fit_data("test")
     branches = fitted_branches(data, "test", settings, engine)
@@ -276,8 +316,8 @@ def run_protocol(
     lists: dict[str, list[list[Recommendation]]] = {}
     results: dict[str, Any] = {}
     for name in BRANCHES:
-        lists[name] = branch_ranker(branches[name], test_stamps)(test_cases, depth)
-        results[name] = evaluate_rankings(lists[name], test_cases, ks)
+        lists[name] = branch_ranker(branches[name], test_stamps, exclude)(test_cases, depth)
+        results[name] = evaluate_rankings(lists[name], test_cases, ks, exclude_seen=exclude)
         log.info("%s: HR@10 %.4f", name, results[name].get("HR@10", float("nan")))
 
     models = _active_models(settings, engine, notes) if generative else None
@@ -286,30 +326,24 @@ def run_protocol(
     drafts: dict[str, Any] = {}
     agreement: dict[str, Any] = {}
     if models is not None:
-        from genrec.online.models.generative import draft_agreement, recommend_generative
-
-        batch = recall.eval_batch_size
-        lists["generative"] = recommend_generative(
-            models, test_cases, k, which="target", batch_size=batch, progress=progress
+        lists["generative"], results["generative"], drafts, agreement = _generative_rankers(
+            models, test_cases, ks, recall.eval_batch_size, exclude, progress
         )
-        results["generative"] = evaluate_rankings(lists["generative"], test_cases, ks)
-        for variant in models.drafts:
-            rows = recommend_generative(
-                models, test_cases, k, which=variant, batch_size=batch, progress=progress
-            )
-            drafts[variant] = evaluate_rankings(rows, test_cases, ks)
-        agreement = draft_agreement(models, test_cases, k, batch_size=batch)
 
     weights = dict(recall.merge_weights)
     if tune_merge:
-        weights, value = _tuned_weights(data, settings, engine, models, max_users, progress)
+        weights, value = _tuned_weights(
+            data, settings, engine, models, max_users, progress, exclude
+        )
         notes.append(f"merge weights tuned on validation: {weights} (NDCG@10 {value:.4f})")
     merge_order = ["generative", *BRANCHES] if "generative" in lists else list(BRANCHES)
     if "generative" not in lists:
         notes.append("merged = merge(popularity, itemcf, ann): no generative list")
     merged = merge_rankings({n: lists[n] for n in merge_order}, k, recall, weights)
-    results["merged"] = evaluate_rankings(merged, test_cases, ks)
-    report["paired"] = compare_to_branches({**lists, "merged": merged}, test_cases, headline_k(ks))
+    results["merged"] = evaluate_rankings(merged, test_cases, ks, exclude_seen=exclude)
+    report["paired"] = compare_to_branches(
+        {**lists, "merged": merged}, test_cases, headline_k(ks), exclude_seen=exclude
+    )
     report["protocol"]["merge"] = {
         "method": recall.merge_method,
         "lists": merge_order,
@@ -322,17 +356,54 @@ def run_protocol(
     return report
 
 
+def _generative_rankers(models, cases, ks, batch_size: int, exclude_seen: bool, progress: bool):
+    """The target's list and metrics, each draft's metrics, and the drafts' agreement."""
+    # the models' module loads torch: imported only when there are models to evaluate
+    from genrec.online.models.generative import draft_agreement, recommend_generative
+
+    k = max(ks)
+    options = {"batch_size": batch_size, "progress": progress, "exclude_history": exclude_seen}
+    rows = recommend_generative(models, cases, k, which="target", **options)
+    results = evaluate_rankings(rows, cases, ks, exclude_seen=exclude_seen)
+    drafts = {
+        variant: evaluate_rankings(
+            recommend_generative(models, cases, k, which=variant, **options),
+            cases,
+            ks,
+            exclude_seen=exclude_seen,
+        )
+        for variant in models.drafts
+    }
+    agreement = draft_agreement(models, cases, k, batch_size=batch_size)
+    return rows, results, drafts, agreement
+
+
+def _repeat_note(cases: Sequence[Case], exclude_seen: bool) -> str:
+    """What the report says about test targets the user already had."""
+    repeats = repeat_targets(cases)
+    if exclude_seen:
+        return (
+            f"{repeats} of {len(cases)} test targets repeat a history item: seen items are "
+            "excluded, so they count as misses for every ranker"
+        )
+    return (
+        f"seen items allowed (--allow-seen): rankers may return history items; "
+        f"{repeats} of {len(cases)} test targets repeat one and count as hits when ranked"
+    )
+
+
 def protocol_description(
-    data: ProtocolData, ks: Sequence[int], n_cases: int, recall
+    data: ProtocolData, ks: Sequence[int], cases: Sequence[Case], recall, exclude_seen=True
 ) -> dict[str, Any]:
     return {
         "split": "leave-one-out by time: last item = test, the one before = validation",
         "order": "events sorted by timestamp, ties kept in source order (stable sort)",
         "candidates": "full catalog",
         "catalog_items": len(data.item_ids),
-        "exclude_history": True,
+        "exclude_history": exclude_seen,
+        "repeat_targets": repeat_targets(cases),
         "ks": list(ks),
-        "users": n_cases,
+        "users": len(cases),
         "fit": "branches fitted on train + validation items for test cases, on train for validation",
         "popularity_half_life_days": recall.popularity_half_life_days,
         "ann_embeddings": recall.ann_embeddings,
@@ -357,7 +428,7 @@ def _active_models(settings, engine, notes: list[str]):
 
 
 def _tuned_weights(
-    data, settings, engine, models, max_users, progress
+    data, settings, engine, models, max_users, progress, exclude_seen: bool = True
 ) -> tuple[dict[str, float], float]:
     """RRF weights tuned on the validation cases with branches fitted on train only."""
     recall = settings.recall
@@ -366,17 +437,18 @@ def _tuned_weights(
     _, stamps = data.fit_data("valid")
     branches = fitted_branches(data, "valid", settings, engine)
     depth = max(k, recall.merge_depth)
-    lists = {name: branch_ranker(branches[name], stamps)(cases, depth) for name in BRANCHES}
+    lists = {
+        name: branch_ranker(branches[name], stamps, exclude_seen)(cases, depth) for name in BRANCHES
+    }
     if models is not None:
         from genrec.online.models.generative import recommend_generative
 
-        lists = {
-            "generative": recommend_generative(
-                models, cases, k, batch_size=recall.eval_batch_size, progress=progress
-            ),
-            **lists,
-        }
-    return tune_merge_weights(lists, cases, k, recall)
+        generated = recommend_generative(
+            models, cases, k, exclude_history=exclude_seen,
+            batch_size=recall.eval_batch_size, progress=progress,
+        )  # fmt: skip
+        lists = {"generative": generated, **lists}
+    return tune_merge_weights(lists, cases, k, recall, exclude_seen=exclude_seen)
 
 
 def format_table(report: Mapping[str, Any]) -> str:

@@ -4,7 +4,10 @@ Each user's events are in stable time order (ties keep source order, see
 ``genrec.ingest.history``). The last item is the test target, the one before
 it the validation target; training sees everything before the validation item.
 Evaluating the test target uses the full history up to (and including) the
-validation item.
+validation item. Every user with 3 events has a case, also when the held-out item
+is one already in the history (a re-consumption): with seen items excluded such a
+case is a miss for every ranker, with them allowed (``genrec eval --allow-seen``)
+it can be hit; either way it stays in the average.
 
 Example::
 

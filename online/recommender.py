@@ -16,6 +16,11 @@ For every request (a user's latest event in the batch) the recommender:
    items the user has already seen, in calls of at most ``max_batch_users``;
 5. merges all lists and builds the ``RecommendationMessage``.
 
+Seen items are left out by the lists themselves (the beam search masks them, each
+branch gets them as ``excludes``) while ``online.exclude_seen`` is on; off, nothing
+is left out anywhere, so a re-consumed item can come back from any list and the
+merge (which never filters by history) keeps it.
+
 Steps 1-3 are ``prepare`` and steps 4-5 ``finish``: the worker prepares the next
 batch on its consumer's thread while its engine thread finishes the current one
 (``recommend`` does both in turn). The decoder, KV store and branches come from
@@ -89,7 +94,7 @@ class GenerativeRequest:
     full_prompt: list[int]  # BOS + the items of the history window
     prefix_kv: Any | None = None
     suffix_tokens: list[int] = field(default_factory=list)  # the items after the prefix's cutoff
-    exclude: list[int] = field(default_factory=list)  # item rows already seen
+    exclude: list[int] = field(default_factory=list)  # item rows masked (seen, if excluded)
 
 
 @dataclass
@@ -116,7 +121,7 @@ class PreparedBatch:
 
 
 class GenerativeDecoder(Protocol):
-    """Decodes a batch of users to their top items (seen items already removed)."""
+    """Decodes a batch of users to their top items (each request's ``exclude`` removed)."""
 
     item_tokens: ItemTokens  # item ids, rows and tokens
     history_items: int  # the model's history window H
@@ -335,7 +340,8 @@ class Recommender:
         bundle = prepared.bundle
         decoder = bundle.decoder
         started = time.perf_counter()
-        # seen items are excluded inside the beam search: every beam is an unseen item
+        # seen items (with online.exclude_seen) are masked inside the beam search, so
+        # every beam is an item the user may get
         beam_width = self.settings.generative_beams()
         try:
             batch = decoder.decode(gen_requests, beam_width)
@@ -365,7 +371,11 @@ class Recommender:
     def _generative_request(self, request, history, bundle, stats) -> GenerativeRequest:
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
-        seen = sorted({item_tokens.index[e.item_id] for e in history if e.item_id in item_tokens})
+        seen = []
+        if self.settings.exclude_seen:
+            seen = sorted(
+                {item_tokens.index[e.item_id] for e in history if e.item_id in item_tokens}
+            )
         full_prompt = history_prompt([e.item_id for e in history], item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
         entry, prefix_kv = (None, None)
@@ -395,7 +405,8 @@ class Recommender:
         started = time.perf_counter()
         items = [[e.item_id for e in h] for h in histories]
         timestamps = [[e.ts_ms for e in h] for h in histories]
-        excludes = [set(h) for h in items]
+        # None: no branch leaves anything out (re-consumption allowed, online.exclude_seen)
+        excludes = [set(h) for h in items] if self.settings.exclude_seen else None
         depth = max(self.settings.k, self.recall.merge_depth)  # merged lists need some depth
         lists: dict[str, list[list[tuple[str, float]]]] = {}
         for name, branch in bundle.branches.items():
@@ -563,12 +574,12 @@ class ModelDecoder:
                 [requests[i].suffix_tokens for i in with_prefix],
             )
             draft_prompts = self._draft_prompts([requests[i] for i in with_prefix], mode)
-            exclude = [requests[i].exclude for i in with_prefix]
+            exclude = _excluded([requests[i] for i in with_prefix])
             result = self._search(target_batch, draft_prompts, beam_width, exclude, mode)
             self._collect(result, with_prefix, requests, beam_width, items, stats, mode)
         if without:
             prompts = [requests[i].full_prompt for i in without]
-            exclude = [requests[i].exclude for i in without]
+            exclude = _excluded([requests[i] for i in without])
             result = self._search(prompts, prompts, beam_width, exclude, mode)
             self._collect(result, without, requests, beam_width, items, stats, mode)
         if self.auto is not None and requests:
@@ -649,6 +660,13 @@ class ModelDecoder:
             if decode_stats.drafted_steps:
                 stats["acceptance_rate"] = decode_stats.accepted_steps / decode_stats.drafted_steps
         return stats
+
+
+def _excluded(requests: Sequence[GenerativeRequest]) -> list[list[int]] | None:
+    """The search's ``exclude``: None when no request masks anything (seen items allowed),
+    so the engine builds no per-user exclusion table."""
+    exclude = [request.exclude for request in requests]
+    return exclude if any(exclude) else None
 
 
 def _pick_draft(models, settings: OnlineSettings) -> str | None:

@@ -5,7 +5,9 @@ import types
 
 import pytest
 
+from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
+from genrec.ingest.store import write_events
 from genrec.offline.evaluation import (
     ProtocolData,
     branch_ranker,
@@ -52,6 +54,52 @@ def test_history_items_and_repeats_do_not_take_slots():
     assert target_rank([], case, depth=10) is None
     # a target already in the history never counts (it is excluded)
     assert target_rank([("t", 1)], Case("u", ["t"], "t"), depth=10) is None
+
+
+def test_a_repeated_target_is_a_hit_when_seen_items_are_allowed():
+    repeat = Case("u", ["t", "x"], "t")  # the held-out item re-consumes one the user had
+    ranked = [("x", 3), ("x", 2), ("t", 1)]
+    assert target_rank(ranked, repeat, depth=10) is None
+    assert target_rank(ranked, repeat, depth=10, exclude_seen=False) == 2  # only repeats drop
+    cases = [repeat, Case("v", ["a"], "b")]
+    rankings = [ranked, [("a", 2), ("b", 1)]]
+    assert evaluate_rankings(rankings, cases, ks=(1, 2))["HR@2"] == 0.5  # b at rank 1
+    allowed = evaluate_rankings(rankings, cases, ks=(1, 2), exclude_seen=False)
+    assert allowed["HR@1"] == 0.0 and allowed["HR@2"] == 1.0
+
+
+def test_protocol_keeps_repeat_targets_and_reports_the_setting(tmp_path):
+    """The split keeps a case whose test item is a repeat; excluded it is a miss for every
+    ranker, allowed popularity (which ranks it first) hits it; the report says which."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
+    histories = {"u1": ["p", "a", "b", "p"], "u2": ["p", "c", "p", "d"], "u3": ["p", "e", "f"]}
+    rows = [
+        {"event_id": f"{user}-{n}", "user_id": user, "item_id": item, "event_type": "view",
+         "ts_ms": 1000 * n}
+        for user, items in histories.items() for n, item in enumerate(items)
+    ]  # fmt: skip
+    write_events(engine, rows)
+    data = ProtocolData(engine)
+    assert data.split.test["u1"] == Case("u1", ["p", "a", "b"], "p")
+    recall = {"popularity_half_life_days": None, "eval_ks": (1, 5)}
+    settings = Settings(home=tmp_path, recall=recall)
+    excluded = run_protocol(settings, engine, generative=False, progress=False)
+    allowed = run_protocol(settings, engine, generative=False, progress=False, exclude_seen=False)
+    assert excluded["protocol"]["exclude_history"] is True
+    assert allowed["protocol"]["exclude_history"] is False
+    assert excluded["protocol"]["repeat_targets"] == allowed["protocol"]["repeat_targets"] == 1
+    assert excluded["results"]["popularity"]["users"] == 3
+    # popularity ranks "p" first for everyone; u2's "d" and u3's "f" were never seen before
+    assert allowed["results"]["popularity"]["HR@1"] == pytest.approx(1 / 3)  # u1's "p"
+    assert excluded["results"]["popularity"]["HR@5"] == 0.0  # u1's "p" can never be hit
+    assert any("count as hits" in note for note in allowed["notes"])
+    assert any("count as misses" in note for note in excluded["notes"])
+    # the settings' counterpart, as genrec eval reads it without a flag
+    by_setting = run_protocol(
+        Settings(home=tmp_path, recall={**recall, "eval_exclude_seen": False}),
+        engine, generative=False, progress=False,
+    )  # fmt: skip
+    assert by_setting["results"] == allowed["results"]
 
 
 def test_bad_input_is_refused():

@@ -55,3 +55,11 @@ def test_zero_weight_lists_only_fill_the_remaining_slots():
     assert [item for item, _ in merged] == ["a", "p", "q"]
     only_zero = merge_lists({"popularity": [("p", 1.0)]}, k=2, weights={"popularity": 0.0})
     assert [item for item, _ in only_zero] == ["p"]
+
+
+def test_the_merge_never_filters_by_history():
+    """Seen items are left out (or not) by the lists themselves (online.exclude_seen): an item
+    every list ranks, a re-consumption included, is merged like any other, by both methods."""
+    lists = {"generative": [("seen", 1.0), ("x", 0.5)], "itemcf": [("seen", 2.0), ("y", 1.0)]}
+    assert ids(merge_lists(lists, k=3))[0] == "seen"
+    assert "seen" in ids(merge_lists(lists, k=3, method="quota"))

@@ -333,3 +333,65 @@ def test_prefix_kv_lru_is_bounded_by_bytes() -> None:
     assert len(cache) == 1 and cache.nbytes == 25_600  # "c" went; "a" is 2 x 12,800 now
     cache.clear()
     assert cache.nbytes == 0 and len(cache) == 0
+
+
+# --- online.exclude_seen: repeat consumption -------------------------------------------------
+
+
+def repeat_bundle(decoder) -> ServingBundle:
+    """Popularity, item-CF and ANN that all rank user 7's seen items (1, 2, 3) high."""
+    from genrec.online.branches import AnnBranch, ItemCFBranch
+
+    sequences = {"a": ["1", "2", "3", "1"], "b": ["2", "1", "5"], "c": ["3", "2", "6"]}
+    vectors = np.array([[1, 0]] * 4 + [[0.9, 0.1]] + [[0, 1]] * 3, dtype=np.float32)
+    return ServingBundle(
+        "v1", decoder=decoder, model_version="m1", semantic_id_version="s1",
+        branches={
+            "popularity": PopularityBranch.fit(sequences, item_ids=ITEMS, half_life_days=None),
+            "itemcf": ItemCFBranch.fit(sequences, item_ids=ITEMS, window=3),
+            "ann": AnnBranch.fit(ITEMS, vectors),
+        },
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_seen_items_come_back_from_every_list_only_when_allowed(store, exclude_seen) -> None:
+    decoder = FakeDecoder()
+    settings = Settings(online={"k": 4, "exclude_seen": exclude_seen})
+    request = Request.of([event("r1", "7", "4", 4000)])  # user 7 had 1, 2, 3 stored
+    [message] = Recommender(settings, store).recommend([request], repeat_bundle(decoder))
+    seen = {"1", "2", "3", "4"}
+    [[gen]] = decoder.calls
+    assert sorted(gen.exclude) == ([0, 1, 2, 3] if exclude_seen else [])
+    lists = {name: {i.item_id for i in items} for name, items in message.branches.items()}
+    lists["merged"] = {i.item_id for i in message.items}
+    assert set(lists) == {"generative", "popularity", "itemcf", "ann", "merged"}
+    for name, items in lists.items():
+        assert items and bool(items & seen) is not exclude_seen, name
+
+
+@pytest.mark.parametrize("mode", ["target", "strict"])
+@pytest.mark.parametrize("exclude_seen", [True, False])
+def test_the_beam_search_returns_seen_items_only_when_allowed(store, mode, exclude_seen) -> None:
+    """A real (tiny, random) target and draft over the 8-item catalog, 8 beams wide: every
+    valid item comes back, so seen ones do exactly when they are not masked."""
+    import torch
+
+    from genrec.online.models.generative import GenerativeModels
+    from genrec.online.models.presets import build_draft, build_target, get_preset
+    from genrec.online.recommender import ModelDecoder
+
+    torch.manual_seed(0)
+    tokens, preset = item_tokens(), get_preset("tiny")
+    target = build_target(preset, tokens.layout).eval()
+    draft = build_draft(preset, tokens.layout).eval()
+    models = GenerativeModels(target, {"atspeed_s": draft}, tokens, history_items=50, preset="tiny")
+    online = {"k": 8, "beam_width": 8, "mode": mode, "draft_beams": 8, "exclude_seen": exclude_seen}
+    decoder = ModelDecoder(models, Settings(online=online).online)
+    recommender = Recommender(Settings(online=online), store)
+    request = Request.of([event("r1", "7", "4", 4000)])
+    [message] = recommender.recommend([request], ServingBundle("v1", decoder=decoder))
+    generated = [i.item_id for i in message.branches["generative"]]
+    expected = set(ITEMS) - ({"1", "2", "3", "4"} if exclude_seen else set())
+    assert set(generated) == expected and len(generated) == len(expected)
+    assert {i.item_id for i in message.items} == expected  # the merge keeps them

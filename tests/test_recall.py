@@ -142,3 +142,23 @@ def test_itemcf_and_ann_on_ml100k(ml100k_engine, tmp_path):
     assert set(branches) == {"popularity", "itemcf", "ann"}
     recs = branches["ann"].recommend(["1", "2", "3"], k=10, exclude={"1", "2", "3"})
     assert len(recs) == 10 and not {"1", "2", "3"} & {i for i, _ in recs}
+
+
+def test_every_branch_returns_seen_items_unless_excluded():
+    """Repeat consumption (online.exclude_seen off, genrec eval --allow-seen): no exclude
+    lets a branch rank the user's own items; with one, none comes back, in either entry point."""
+    vectors = np.array([[1, 0], [1, 0.1], [0.9, 0.2], [0, 1], [0.1, 1]], dtype=np.float32)
+    branches = {
+        "popularity": PopularityBranch.fit(SEQUENCES, ITEMS, half_life_days=None),
+        "itemcf": ItemCFBranch.fit(SEQUENCES, ITEMS, window=2),
+        "ann": AnnBranch.fit(ITEMS, vectors),
+    }
+    history = ["a", "b"]
+    for name, branch in branches.items():
+        allowed = {i for i, _ in branch.recommend(history, k=5)}
+        [batch_allowed] = branch.recommend_batch([history], 5, None)
+        assert allowed & set(history) and {i for i, _ in batch_allowed} == allowed, name
+        excluded = {i for i, _ in branch.recommend(history, k=5, exclude=set(history))}
+        [batch_excluded] = branch.recommend_batch([history], 5, [set(history)])
+        assert excluded and not excluded & set(history), name
+        assert {i for i, _ in batch_excluded} == excluded, name
