@@ -108,8 +108,11 @@ class DecodeStats:
         return self.accepted_steps / self.drafted_steps if self.drafted_steps else math.nan
 
 
-# The per-user counters the engine keeps in one tensor: every DecodeStats field but the flag.
-STAT_NAMES = tuple(f.name for f in fields(DecodeStats) if f.name != "speculative")
+# The per-user counters the engine keeps in one tensor: every DecodeStats field but the flag
+# (the last field: ``result`` builds DecodeStats positionally).
+STAT_NAMES = tuple(f.name for f in fields(DecodeStats))[:-1]
+if fields(DecodeStats)[-1].name != "speculative":
+    raise TypeError("DecodeStats.speculative must stay its last field")
 
 
 @dataclass
@@ -255,16 +258,19 @@ class ItemHead:
         so every other item keeps the score it has without them.
         """
         tables = self.tables
-        allowed = tables.allowed[nodes]
+        # adding 0 / -inf (TrieTables.allowed_bias) is the where(allowed, x, -inf) it replaces,
+        # several times cheaper on a CPU than a where over a boolean mask
+        bias = tables.allowed_bias[nodes]
         if self.score_mode == "full":
             log_probs = torch.log_softmax(
                 F.linear(hidden, self.weight, self.bias).to(self.dtype), -1
             )
-            log_probs = self._level_columns(log_probs, level, vocabulary=True)
+            log_probs = self._level_columns(log_probs, level, vocabulary=True) + bias
         else:
             logits = self._level_columns(hidden, level, vocabulary=False)
-            log_probs = torch.log_softmax(torch.where(allowed, logits, NEG_INF), -1)
-        log_probs = torch.where(allowed, log_probs, NEG_INF)  # nothing allowed: -inf, not nan
+            log_probs = torch.log_softmax(logits + bias, -1)  # -inf where not allowed
+            # nothing allowed (no beam, a finished user): nan, which must read -inf
+            log_probs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
         if dead is None:
             return log_probs
         blocked = dead.gather(1, tables.child[nodes].flatten(1)).view_as(log_probs)
@@ -280,7 +286,8 @@ class ItemHead:
                 values = values[..., rows.start : rows.stop]
             else:
                 values = F.linear(values, self.level_weight[level], self.level_bias[level])
-            return F.pad(values.to(self.dtype), (0, width - len(rows)))
+            values = values.to(self.dtype)
+            return F.pad(values, (0, width - len(rows))) if width > len(rows) else values
         columns = self.tables.item_row[level.clamp(max=self.tables.depth - 1)][:, None, :]
         if vocabulary:
             columns = columns + self.first_item_token
@@ -713,10 +720,8 @@ class BatchedDecode:
         tokens = torch.where(valid[..., None], beams.tokens, pad)
         items = torch.where(valid, self.tables.items(beams.nodes), -1)
         speculative = self.mode in ("strict", "relaxed")
-        stats = [
-            DecodeStats(**dict(zip(STAT_NAMES, row, strict=True)), speculative=speculative)
-            for row in self.stats.tolist()
-        ]
+        # positional: STAT_NAMES are DecodeStats' fields in order, ``speculative`` last
+        stats = [DecodeStats(*row, speculative) for row in self.stats.tolist()]
         return DecodeResult(tokens, items, beams.scores, stats)
 
 

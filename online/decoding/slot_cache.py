@@ -233,10 +233,12 @@ class SlotModel:
             positions = torch.cat([self.pending_positions, positions], 1)
         width = self.cursor + ids.shape[1]
         mask = self.attention_mask(paths, width)
-        if with_pending:
+        if with_pending:  # (no copies when the call is the pending tokens alone)
             pad = width - self.pending_mask.shape[2]
-            pending = F.pad(self.pending_mask, (0, pad), value=self.hidden_value)
-            mask = torch.cat([pending, mask], 1)
+            pending = self.pending_mask
+            if pad:
+                pending = F.pad(pending, (0, pad), value=self.hidden_value)
+            mask = torch.cat([pending, mask], 1) if mask.shape[1] else pending
         self.cache.start = self.cursor
         output = self.base(
             **self._inputs(ids, with_pending),

@@ -12,7 +12,8 @@ Global node ids: level ``d``'s nodes are ``offsets[d] + i`` (``i`` as in
 children that missing beams and finished users point at. Per global node:
 
 - ``allowed[node, c]``: code ``c`` of the node's level may follow (False past
-  the level's code count, and everywhere for items and the sink);
+  the level's code count, and everywhere for items and the sink); ``allowed_bias``:
+  the same as 0 / -inf, to mask scores by adding;
 - ``child[node, c]``: the node it leads to (``sink`` where not allowed);
 - ``settles[node]``: every child holds a single item (``ItemTrie.settles``);
 - ``item_below[node]``: the catalog row of the node's only item (-1 if several);
@@ -40,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 
@@ -96,6 +98,9 @@ class TrieTables:
         self.item_row = (starts - layout.item_token_start)[:, None] + code
         self.item_row = self.item_row.clamp(max=layout.num_item_tokens - 1)  # pads: never allowed
         self.child_codes = self._child_codes()
+        # 0 where allowed, -inf elsewhere: masking by adding costs a fraction of a where
+        self.allowed_bias = torch.zeros(self.allowed.shape, device=device)
+        self.allowed_bias.masked_fill_(~self.allowed, -math.inf)
 
     def _child_codes(self) -> list[torch.Tensor | None]:
         """Per level d: LongTensor[n_nodes, F_d], the codes each node allows, ascending, padded
