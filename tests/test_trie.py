@@ -95,3 +95,24 @@ def test_from_item_tokens_keeps_the_catalog_order():
     assert trie.layout == layout and trie.n_items == 3
     assert torch.equal(trie.item_tokens, torch.tensor(layout.encode(codes)))
     assert trie.item_index(torch.tensor(layout.encode(codes))).tolist() == [0, 1, 2]
+
+
+def test_trie_tables_child_codes_and_bias_are_the_allowed_table():
+    from genrec.online.decoding.trie_tables import TrieTables
+
+    layout, items = random_catalog((16, 8, 2), n_items=30, seed=1)
+    tables = TrieTables.of(ItemTrie(items, layout))
+    expected_bias = torch.where(tables.allowed, 0.0, -torch.inf)
+    assert torch.equal(tables.allowed_bias, expected_bias)
+    assert tables.child_codes[0] is None  # the root allows most codes: nothing to narrow
+    narrowed = 0
+    for d, codes in enumerate(tables.child_codes):
+        if codes is None:
+            continue
+        narrowed += 1
+        for node in range(tables.offsets[d], tables.offsets[d + 1]):
+            allowed = tables.allowed[node].nonzero()[:, 0].tolist()
+            row = codes[node].tolist()
+            assert row[: len(allowed)] == allowed  # every allowed code, ascending
+            assert not tables.allowed[node, row[len(allowed) :]].any()  # padding: never allowed
+    assert narrowed
