@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import get_settings
 
 # Handlers import their step's modules when they run, so that `genrec --help` and
@@ -33,12 +34,15 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     kafka_commands = kafka.add_subparsers(dest="kafka_command", metavar="COMMAND")
     up = kafka_commands.add_parser("up", help="start the broker (no-op if running), print address")
     up.add_argument("--timeout", type=float, default=None, help="seconds to wait for readiness")
-    up.set_defaults(handler=_kafka_up)
     down = kafka_commands.add_parser("down", help="stop the broker (SIGTERM, then SIGKILL)")
     down.add_argument("--timeout", type=float, default=30.0, help="seconds before SIGKILL")
-    down.set_defaults(handler=_kafka_down)
     status = kafka_commands.add_parser("status", help="running/stopped, pid, address")
-    status.set_defaults(handler=_kafka_status)
+    for command, handler in ((up, _kafka_up), (down, _kafka_down), (status, _kafka_status)):
+        command.add_argument(
+            "--brokers", type=int, default=None,
+            help="nodes of a local cluster (default: kafka_broker.brokers, 1)",
+        )  # fmt: skip
+        command.set_defaults(handler=handler)
 
     topics = commands.add_parser("topics", help="create genrec's Kafka topics")
     topics.set_defaults(handler=lambda _args, p=topics: p.print_help() or 2)
@@ -65,32 +69,47 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     demo.set_defaults(handler=_demo)
 
 
-def _broker():
-    from genrec.app.kafka_broker import KafkaBroker
+def _broker(args: argparse.Namespace):
+    """The single local broker, or with ``--brokers N`` (N > 1) the local cluster."""
+    from genrec.app.kafka_broker import KafkaBroker, KafkaCluster
 
-    return KafkaBroker.from_settings(get_settings())
+    settings = get_settings()
+    brokers = args.brokers if args.brokers is not None else settings.kafka_broker.brokers
+    if brokers < 1:
+        raise UserFacingError(f"--brokers must be at least 1, got {brokers}")
+    if brokers == 1:
+        return KafkaBroker.from_settings(settings)
+    return KafkaCluster.from_settings(settings, brokers)
 
 
 def _kafka_up(args: argparse.Namespace) -> int:
     timeout = (
         args.timeout if args.timeout is not None else get_settings().kafka_broker.start_timeout_s
     )
-    print(_broker().up(timeout=timeout))
+    print(_broker(args).up(timeout=timeout))
     return 0
 
 
 def _kafka_down(args: argparse.Namespace) -> int:
-    broker = _broker()
+    broker = _broker(args)
     broker.down(timeout=args.timeout)
-    print(broker.status())
+    print(_status_lines(broker))
     return 0
 
 
+def _status_lines(broker) -> str:
+    statuses = broker.status()
+    if isinstance(statuses, list):
+        return "\n".join(f"node {i}: {s}" for i, s in enumerate(statuses, 1))
+    return str(statuses)
+
+
 def _kafka_status(args: argparse.Namespace) -> int:
-    broker = _broker()
-    status = broker.status()
-    print(f"{status} data={broker.data_dir}")
-    return 0 if status.running else STOPPED_EXIT_CODE
+    broker = _broker(args)
+    statuses = broker.status()
+    print(f"{_status_lines(broker)}\ndata={broker.data_dir}")
+    running = all(s.running for s in statuses) if isinstance(statuses, list) else statuses.running
+    return 0 if running else STOPPED_EXIT_CODE
 
 
 def _topics_create(args: argparse.Namespace) -> int:
@@ -100,11 +119,8 @@ def _topics_create(args: argparse.Namespace) -> int:
     kafka = get_settings().kafka
     wait_for_kafka(kafka, timeout=args.wait)  # KafkaUnreachableError: one line, exit code 2
     created = set(create_topics(kafka))
-    for name, spec in topic_specs(kafka).items():
-        if name in created:
-            print(f"created {name} partitions={spec['num_partitions']}")
-        else:
-            print(f"exists {name}")
+    for name in topic_specs(kafka):
+        print(f"{'created' if name in created else 'exists'} {name}")
     return 0
 
 

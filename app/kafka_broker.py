@@ -175,16 +175,26 @@ def parse_bootstrap(bootstrap: str) -> tuple[str, int]:
 
 
 def server_properties(
-    host: str, port: int, controller_port: int, log_dirs: Path, num_partitions: int
+    host: str,
+    port: int,
+    controller_port: int,
+    log_dirs: Path,
+    num_partitions: int,
+    node_id: int = 1,
+    voters: str | None = None,
+    replicas: int = 1,
 ) -> str:
-    """``server.properties`` of a combined broker + controller node with replication 1."""
+    """``server.properties`` of a combined broker + controller node: alone (replication 1),
+    or node ``node_id`` of a cluster whose controller quorum is ``voters`` and whose topics
+    keep ``replicas`` copies (2 in sync where there are 3)."""
     address, controller = _address(host, port), _address(host, controller_port)
+    in_sync = "2" if replicas >= 3 else "1"
     properties = {
         "process.roles": "broker,controller",
-        "node.id": "1",
+        "node.id": str(node_id),
         # A static voter set (not --standalone's dynamic quorum): the voters come from
         # this file on every start, so a restart on other ports keeps working.
-        "controller.quorum.voters": f"1@{controller}",
+        "controller.quorum.voters": voters or f"{node_id}@{controller}",
         "listeners": f"PLAINTEXT://{address},CONTROLLER://{controller}",
         "advertised.listeners": f"PLAINTEXT://{address},CONTROLLER://{controller}",
         "inter.broker.listener.name": "PLAINTEXT",
@@ -192,18 +202,19 @@ def server_properties(
         "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
         "log.dirs": str(log_dirs),
         "num.partitions": str(num_partitions),
-        "default.replication.factor": "1",
+        "default.replication.factor": str(replicas),
+        "min.insync.replicas": in_sync,
         # Topics come from `genrec topics create`, as on a production cluster: a typo in a
         # topic name then fails loudly instead of creating a stray topic.
         "auto.create.topics.enable": "false",
         # Internal topics with 1 partition start in milliseconds instead of seconds.
-        "offsets.topic.replication.factor": "1",
+        "offsets.topic.replication.factor": str(replicas),
         "offsets.topic.num.partitions": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.replication.factor": str(replicas),
+        "transaction.state.log.min.isr": in_sync,
         "transaction.state.log.num.partitions": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
+        "share.coordinator.state.topic.replication.factor": str(replicas),
+        "share.coordinator.state.topic.min.isr": in_sync,
         "share.coordinator.state.topic.num.partitions": "1",
         # The default 3 s wait before the first rebalance would slow every consumer start.
         "group.initial.rebalance.delay.ms": "0",
@@ -259,7 +270,16 @@ class KafkaBroker:
         controller_port: int | None = None,
         num_partitions: int = 6,
         heap: str = "512m",
+        node_id: int = 1,
+        voters: str | None = None,
+        replicas: int = 1,
+        cluster_id: str | None = None,
     ) -> None:
+        """One node; ``node_id``, ``voters``, ``replicas`` and a shared ``cluster_id`` make it
+        a member of a ``KafkaCluster``."""
+        self.node_id, self.voters, self.replicas, self.cluster_id = (
+            node_id, voters, replicas, cluster_id,
+        )  # fmt: skip
         self.host, self.port = parse_bootstrap(bootstrap)
         self.controller_port = controller_port if controller_port is not None else self.port + 1
         if self.controller_port == self.port or not 0 < self.controller_port < 65536:
@@ -305,25 +325,40 @@ class KafkaBroker:
                         self.bootstrap,
                     )
                 return current.bootstrap
-            self.pid_file.unlink(missing_ok=True)  # stale: the broker died without `down`
-            libs = ensure_kafka_jars()
-            for port in (self.port, self.controller_port):
-                if not _port_free(self.host, port):
-                    raise KafkaBrokerError(
-                        f"{self.host}:{port} is in use by another process; stop it or pick "
-                        "other ports (GENREC_KAFKA__BOOTSTRAP, GENREC_KAFKA_BROKER__CONTROLLER_PORT)"
-                    )
-            self.properties_file.write_text(
-                server_properties(
-                    self.host, self.port, self.controller_port, self.kraft_logs, self.num_partitions
-                )
-            )
-            self._format_once(libs)
-            log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
-            self._launch(libs)
-            self._wait_ready(log_offset, timeout)
+            log_offset = self.launch()
+            self.wait_ready(log_offset, timeout)
         log.info("Kafka broker ready at %s (pid %s)", self.bootstrap, self._read_pid())
         return self.bootstrap
+
+    def launch(self) -> int:
+        """Write the properties, format the storage once and start the JVM (not waiting for
+        it: a cluster's nodes are ready only once a quorum of them runs). Returns the log's
+        size before the start, for ``wait_ready``."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.pid_file.unlink(missing_ok=True)  # stale: the broker died without `down`
+        libs = ensure_kafka_jars()
+        for port in (self.port, self.controller_port):
+            if not _port_free(self.host, port):
+                raise KafkaBrokerError(
+                    f"{self.host}:{port} is in use by another process; stop it or pick "
+                    "other ports (GENREC_KAFKA__BOOTSTRAP, GENREC_KAFKA_BROKER__CONTROLLER_PORT)"
+                )
+        self.properties_file.write_text(
+            server_properties(
+                self.host,
+                self.port,
+                self.controller_port,
+                self.kraft_logs,
+                self.num_partitions,
+                self.node_id,
+                self.voters,
+                self.replicas,
+            )  # fmt: skip
+        )
+        self._format_once(libs)
+        log_offset = self.log_file.stat().st_size if self.log_file.exists() else 0
+        self._launch(libs)
+        return log_offset
 
     def down(self, timeout: float = 30.0) -> None:
         """Stop the broker: SIGTERM (a clean shutdown), SIGKILL if it is still there after ``timeout``."""
@@ -366,7 +401,7 @@ class KafkaBroker:
         if (self.kraft_logs / "meta.properties").exists():
             return
         if not self.cluster_id_file.exists():
-            self.cluster_id_file.write_text(new_cluster_id() + "\n")
+            self.cluster_id_file.write_text((self.cluster_id or new_cluster_id()) + "\n")
         cluster_id = self.cluster_id_file.read_text().strip()
         command = [
             _java(), "-Xmx256m", f"-Dlog4j2.configurationFile={CONFIG_DIR / 'tools-log4j2.yaml'}",
@@ -403,7 +438,7 @@ class KafkaBroker:
             )
         self.pid_file.write_text(f"{self._process.pid}\n")
 
-    def _wait_ready(self, log_offset: int, timeout: float) -> None:
+    def wait_ready(self, log_offset: int, timeout: float) -> None:
         pid = self._read_pid()
         assert pid is not None
         deadline = time.monotonic() + timeout
@@ -481,3 +516,84 @@ class KafkaBroker:
 def _signal(pid: int, signum: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signum)
+
+
+class KafkaCluster:
+    """A local cluster of ``len(ports)`` combined broker + controller nodes (KRaft, one
+    controller quorum of all of them), from the same jars as ``KafkaBroker``.
+
+    Node i (from 1) lives in ``data_dir/node-i`` and listens on ``ports[i - 1]`` =
+    (client port, controller port). Topics default to min(3, nodes) replicas with 2 in
+    sync where there are 3, internal topics included, so one node may die without a
+    client noticing more than a leader change.
+
+    Example::
+
+        >>> cluster = KafkaCluster(Path("/tmp/genrec-kafka3"), [(19092, 19093), (19094, 19095), (19096, 19097)])
+        >>> cluster.up()  # doctest: +SKIP
+        '127.0.0.1:19092,127.0.0.1:19094,127.0.0.1:19096'
+        >>> cluster.nodes[0].kill()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        ports: list[tuple[int, int]],
+        host: str = "127.0.0.1",
+        num_partitions: int = 6,
+        heap: str = "512m",
+    ) -> None:
+        if len(ports) < 2:
+            raise KafkaBrokerError("a cluster has at least 2 nodes; one node is KafkaBroker")
+        self.data_dir = Path(data_dir).expanduser().resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        id_file = self.data_dir / "cluster.id"
+        if not id_file.exists():
+            id_file.write_text(new_cluster_id() + "\n")
+        cluster_id = id_file.read_text().strip()
+        voters = ",".join(
+            f"{i}@{_address(host, controller)}" for i, (_port, controller) in enumerate(ports, 1)
+        )
+        self.nodes = [
+            KafkaBroker(
+                self.data_dir / f"node-{i}",
+                _address(host, port),
+                controller,
+                num_partitions,
+                heap,
+                node_id=i,
+                voters=voters,
+                replicas=min(3, len(ports)),
+                cluster_id=cluster_id,
+            )  # fmt: skip
+            for i, (port, controller) in enumerate(ports, 1)
+        ]
+        self.bootstrap = ",".join(node.bootstrap for node in self.nodes)
+
+    @classmethod
+    def from_settings(cls, settings, brokers: int) -> KafkaCluster:
+        """``brokers`` nodes on consecutive port pairs from ``kafka.bootstrap``'s first port
+        (9092: clients on 9092, 9094, 9096; controllers on 9093, 9095, 9097)."""
+        host, port = parse_bootstrap(settings.kafka.bootstrap.split(",")[0])
+        ports = [(port + 2 * i, port + 2 * i + 1) for i in range(brokers)]
+        broker = settings.kafka_broker
+        return cls(
+            settings.data_dir / "kafka-cluster", ports, host, broker.num_partitions, broker.heap
+        )
+
+    def up(self, timeout: float = 120.0) -> str:
+        """Start every node that is not running (all at once: a quorum must form), wait."""
+        with _file_lock(self.data_dir / ".lock"):
+            starting = [(node, node.launch()) for node in self.nodes if not node.status().running]
+            deadline = time.monotonic() + timeout
+            for node, log_offset in starting:
+                node.wait_ready(log_offset, max(1.0, deadline - time.monotonic()))
+        log.info("Kafka cluster of %d nodes ready at %s", len(self.nodes), self.bootstrap)
+        return self.bootstrap
+
+    def down(self, timeout: float = 30.0) -> None:
+        for node in self.nodes:
+            node.down(timeout)
+
+    def status(self) -> list[BrokerStatus]:
+        return [node.status() for node in self.nodes]

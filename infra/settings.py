@@ -61,7 +61,11 @@ class KafkaSettings(BaseModel):
     topic_dlq: str = "genrec.user-events.dlq"
     events_partitions: int = 6
     recommendations_partitions: int = 6
-    replication_factor: int = 1
+    # Replicas of each genrec topic; None: min(3, brokers in the cluster), asked at creation.
+    replication_factor: int | None = Field(default=None, ge=1)
+    # Topic-level min.insync.replicas (with acks=all: how many replicas must have a write);
+    # None: 2 where a topic has 3 or more replicas, else 1.
+    min_insync_replicas: int | None = Field(default=None, ge=1)
     topic_wait_s: float = 60.0  # how long a consumer waits at start for its topic to exist
     # How long a client waits for the cluster to accept a connection (then as long for the
     # Kafka handshake) before the command stops with one line naming kafka.bootstrap.
@@ -244,6 +248,9 @@ class KafkaBrokerSettings(BaseModel):
     """
 
     controller_port: int | None = None
+    # Nodes of `genrec kafka up`: 1, or a cluster (each node a broker and a controller) on
+    # consecutive port pairs from kafka.bootstrap's port; set kafka.bootstrap to all of them.
+    brokers: int = Field(default=1, ge=1, le=9)
     heap: str = "512m"
     num_partitions: int = 6
     start_timeout_s: float = 90.0

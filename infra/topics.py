@@ -38,33 +38,40 @@ class KafkaTopicsError(UserFacingError):
     """The cluster refused to create a topic (permissions, replication factor, policy)."""
 
 
-def topic_specs(kafka: KafkaSettings) -> dict[str, dict[str, int]]:
-    """Partitions and replication of each genrec topic.
+def topic_specs(kafka: KafkaSettings, brokers: int = 1) -> dict[str, dict[str, Any]]:
+    """Partitions, replication and ``min.insync.replicas`` of each genrec topic on a cluster
+    of ``brokers`` brokers (``kafka.replication_factor`` / ``min_insync_replicas``, or the
+    defaults: min(3, brokers) replicas, 2 in sync where there are 3 or more).
 
     The dead-letter topic mirrors the events topic's partitions so a bad event lands
     in the partition of its user's good ones.
     """
-    replication = kafka.replication_factor
+    replication = kafka.replication_factor or min(3, max(1, brokers))
+    in_sync = kafka.min_insync_replicas or (2 if replication >= 3 else 1)
+    if in_sync > replication:
+        raise KafkaTopicsError(
+            f"kafka.min_insync_replicas {in_sync} is more than the {replication} replicas: "
+            "every acks=all write would fail"
+        )
+    partitions = {
+        kafka.topic_events: kafka.events_partitions,
+        kafka.topic_recommendations: kafka.recommendations_partitions,
+        kafka.topic_dlq: kafka.events_partitions,
+    }
     return {
-        kafka.topic_events: {
-            "num_partitions": kafka.events_partitions,
+        name: {
+            "num_partitions": count,
             "replication_factor": replication,
-        },
-        kafka.topic_recommendations: {
-            "num_partitions": kafka.recommendations_partitions,
-            "replication_factor": replication,
-        },
-        kafka.topic_dlq: {
-            "num_partitions": kafka.events_partitions,
-            "replication_factor": replication,
-        },
+            "configs": {"min.insync.replicas": str(in_sync)},
+        }
+        for name, count in partitions.items()
     }
 
 
 def create_topics(kafka: KafkaSettings) -> list[str]:
     """Create the genrec topics that are missing; returns the names it created."""
-    specs = topic_specs(kafka)
     with contextlib.closing(open_client(KafkaAdminClient, kafka)) as admin:
+        specs = topic_specs(kafka, brokers=len(admin.describe_cluster()["brokers"]))
         existing = set(admin.list_topics())
         missing = {name: spec for name, spec in specs.items() if name not in existing}
         created = _create_missing(admin, missing)
@@ -72,11 +79,15 @@ def create_topics(kafka: KafkaSettings) -> list[str]:
             admin.wait_for_topics(created, timeout_ms=30_000)
         _warn_on_fewer_partitions(admin, specs, sorted(set(specs) - set(created)))
     for name in created:
-        log.info("created topic %s (%d partitions)", name, specs[name]["num_partitions"])
+        spec = specs[name]
+        log.info(
+            "created topic %s (%d partitions, %d replicas, min.insync.replicas %s)", name,
+            spec["num_partitions"], spec["replication_factor"], spec["configs"]["min.insync.replicas"],
+        )  # fmt: skip
     return created
 
 
-def _create_missing(admin: KafkaAdminClient, missing: dict[str, dict[str, int]]) -> list[str]:
+def _create_missing(admin: KafkaAdminClient, missing: dict[str, dict[str, Any]]) -> list[str]:
     if not missing:
         return []
     response = admin.create_topics(missing, raise_errors=False)
@@ -94,7 +105,7 @@ def _create_missing(admin: KafkaAdminClient, missing: dict[str, dict[str, int]])
 
 
 def _warn_on_fewer_partitions(
-    admin: KafkaAdminClient, specs: dict[str, dict[str, int]], names: list[str]
+    admin: KafkaAdminClient, specs: dict[str, dict[str, Any]], names: list[str]
 ) -> None:
     """Existing topics are kept as they are; fewer partitions cap ingest parallelism."""
     if not names:

@@ -502,10 +502,13 @@ class OnlineWorker(BatchHandler):
             self._finish_in_flight()
         left: list[_Polled] = []
         for batch in self._in_flight:
-            done = not lost and not left and batch.state(time.monotonic(), float("inf")) == "done"
-            if done:
+            finished = batch.state(time.monotonic(), float("inf")) == "done"
+            # Exactly-once: a done batch's transaction committed its offsets, lost or not;
+            # reading it again would answer it twice.
+            committed = self.exactly_once and finished
+            if committed or (finished and not lost and not left):
                 self._account(batch)
-                if not self.exactly_once:  # else committed in its transaction already
+                if not self.exactly_once:
                     offsets.update(_next_offsets(batch.polled))
             else:
                 left.extend(batch.polled)
@@ -547,6 +550,9 @@ class OnlineWorker(BatchHandler):
             session_timeout_ms=self.online.session_timeout_ms,
             heartbeat_interval_ms=max(100, self.online.session_timeout_ms // 3),
             max_poll_interval_ms=self.online.max_poll_interval_ms,
+            # Exactly-once: offsets a transaction is still committing are waited for on a
+            # rebalance (OffsetFetch require_stable), not read stale and answered twice.
+            isolation_level="read_committed" if self.exactly_once else "read_uncommitted",
         )
         subscribe_when_ready(
             consumer, self.settings.kafka.topic_events, listener=listener,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from sqlalchemy import Engine, insert, select
 
-from genrec.app.kafka_broker import KafkaBroker, pick_free_ports
+from genrec.app.kafka_broker import KafkaBroker, KafkaCluster, pick_free_ports
 from genrec.app.postgres import LocalPostgres, PostgresUnavailable
 from genrec.infra.database import make_engine
 from genrec.infra.settings import KafkaSettings, Settings
@@ -34,6 +34,7 @@ from tests.helpers import ML100K_SAMPLE_USERS, SERVING_USERS, SyntheticSemanticI
 FIXTURE_MARKERS = {
     "kafka_broker": "integration",
     "stoppable_kafka_broker": "integration",
+    "kafka_cluster": "integration",
     "postgres_server": "integration",
     "serving_home": "slow",
 }
@@ -164,6 +165,24 @@ def stoppable_kafka_broker(_module_kafka_broker: KafkaBroker) -> KafkaBroker:
     """
     _module_kafka_broker.up(timeout=180.0)  # no-op unless the previous test left it stopped
     return _module_kafka_broker
+
+
+@pytest.fixture(scope="module")
+def _module_kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+    ports = pick_free_ports(6)
+    pairs = [(ports[i], ports[i + 1]) for i in range(0, 6, 2)]
+    cluster = KafkaCluster(tmp_path_factory.mktemp("kafka-cluster"), pairs, heap="384m")
+    cluster.up(timeout=240.0)
+    yield cluster
+    cluster.down()
+
+
+@pytest.fixture
+def kafka_cluster(_module_kafka_cluster: KafkaCluster) -> KafkaCluster:
+    """A real three-node Kafka cluster (3 replicas, 2 in sync) of the test module's own;
+    tests may kill a node: every node is brought back up before each test."""
+    _module_kafka_cluster.up(timeout=240.0)
+    return _module_kafka_cluster
 
 
 @pytest.fixture

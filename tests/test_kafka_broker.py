@@ -140,9 +140,22 @@ def test_stale_pid_file_reads_as_stopped(tmp_path: Path) -> None:
 def test_topic_specs_follow_settings() -> None:
     kafka = KafkaSettings(events_partitions=3, recommendations_partitions=2, replication_factor=3)
     specs = topic_specs(kafka)
-    assert specs[kafka.topic_events] == {"num_partitions": 3, "replication_factor": 3}
+    assert specs[kafka.topic_events] == {
+        "num_partitions": 3, "replication_factor": 3, "configs": {"min.insync.replicas": "2"},
+    }  # fmt: skip
     assert specs[kafka.topic_recommendations]["num_partitions"] == 2
     assert specs[kafka.topic_dlq]["num_partitions"] == 3
+
+
+def test_replication_defaults_to_the_cluster_size_up_to_three() -> None:
+    kafka = KafkaSettings()
+    for brokers, replicas, in_sync in ((1, 1, "1"), (2, 2, "1"), (3, 3, "2"), (5, 3, "2")):
+        spec = topic_specs(kafka, brokers=brokers)[kafka.topic_events]
+        assert (spec["replication_factor"], spec["configs"]["min.insync.replicas"]) == (
+            replicas, in_sync,
+        )  # fmt: skip
+    with pytest.raises(KafkaTopicsError, match="min_insync_replicas 3 is more than"):
+        topic_specs(KafkaSettings(replication_factor=2, min_insync_replicas=3))
 
 
 # --- against the real broker ----------------------------------------------------------------
