@@ -209,7 +209,7 @@ def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None
             pass
 
     @contextlib.contextmanager
-    def fake_started(_settings, _workers, run_id):
+    def fake_started(_settings, _workers, run_id, _guarantee):
         started.append(run_id)
         yield FakeServices(run_id)
 
@@ -224,17 +224,17 @@ def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None
     monkeypatch.setattr(load, "run_steps", lambda _t, workers, pids, _c: {"w": workers, "p": pids})
     traffic = load._Traffic(None, None, None, LoadConfig())
     stalls = 1
-    assert load.run_started_phase(traffic, None, 2, "r") == {"w": 2, "p": [42]}
-    assert started == ["r-1", "r-2"]
+    assert load.run_started_phase(traffic, None, 2, "r", "at_least_once") == {"w": 2, "p": [42]}
+    assert started == ["r-a1", "r-a2"]
     started.clear()
     stalls = 2
     with pytest.raises(TimeoutError):
-        load.run_started_phase(traffic, None, 1, "r")
-    assert started == ["r-1", "r-2"]
+        load.run_started_phase(traffic, None, 1, "r", "at_least_once")
+    assert started == ["r-a1", "r-a2"]
     started.clear()
-    stalls, answer_stalls[:] = 0, ["r-1"]  # joined, then stalled: as seen on a loaded host
-    assert load.run_started_phase(traffic, None, 1, "r") == {"w": 1, "p": [42]}
-    assert started == ["r-1", "r-2"]
+    stalls, answer_stalls[:] = 0, ["r-a1"]  # joined, then stalled: as seen on a loaded host
+    assert load.run_started_phase(traffic, None, 1, "r", "at_least_once") == {"w": 1, "p": [42]}
+    assert started == ["r-a1", "r-a2"]
 
 
 def test_cpu_of_this_process_from_proc() -> None:
@@ -312,3 +312,14 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
     assert png_path.stat().st_size > 1000
     printed = capsys.readouterr().out
     assert printed.count("load 1w") == 2 and printed.count("load 2w") == 2
+
+
+def test_guarantees_are_compared_per_worker_count() -> None:
+    phase = {"peak_answered_eps": 1.0, "steps": []}
+    phases = [
+        {**phase, "guarantee": "at_least_once", "workers": 1, "held_eps": 100.0},
+        {**phase, "guarantee": "exactly_once", "workers": 1, "held_eps": 50.0},
+    ]
+    assert load.ratios(phases)["held_ratio_exactly_once_over_at_least_once"] == {"1": 0.5}
+    merged = load.merge_reports({"phases": phases[:1]}, {"phases": phases[1:]})
+    assert [p["guarantee"] for p in merged["phases"]] == ["at_least_once", "exactly_once"]

@@ -149,6 +149,11 @@ def _register_load(bench: argparse._SubParsersAction) -> None:
         "--worker-pids", default="",
         help="with --no-start: comma-separated pids of those workers, for their CPU",
     )  # fmt: skip
+    load.add_argument(
+        "--guarantees", default="",
+        help="processing guarantees of the started workers, e.g. at_least_once,exactly_once: "
+        "every worker count with each, side by side (default: online.processing_guarantee)",
+    )  # fmt: skip
     load.add_argument("--users", type=int, default=None, help="store users sampled (default: all)")
     load.add_argument(
         "--warmup-events", type=int, default=40, help="warm-up events per worker before step 1"
@@ -224,7 +229,11 @@ def _bench_load(args: argparse.Namespace) -> int:
         start=not args.no_start,
         worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
         users=args.users, warmup_events=args.warmup_events, seed=args.seed,
+        guarantees=tuple(g.strip() for g in args.guarantees.split(",") if g.strip()),
     )  # fmt: skip
+    unknown = set(config.guarantees) - {"at_least_once", "exactly_once"}
+    if unknown:
+        raise UserFacingError(f"--guarantees: unknown {sorted(unknown)}")
     json_path = args.json or settings.path("bench", "load.json")
     try:
         report = run_load_bench(settings, config)

@@ -88,6 +88,9 @@ class LoadConfig:
     drain_s: float = 30.0  # after a step's last send: wait this long for its answers at most
     p99_ms: float = 100.0
     workers: tuple[int, ...] = (1, 2)  # one phase per count (started services)
+    # Processing guarantees of the started workers, each run with every worker count;
+    # empty: online.processing_guarantee alone.
+    guarantees: tuple[str, ...] = ()
     start: bool = True  # False: drive workers that already run (one phase)
     worker_pids: tuple[int, ...] = ()  # their processes, for CPU (start=False)
     users: int | None = None  # at most this many store users (None: all)
@@ -536,9 +539,12 @@ def settings_environment(settings: Settings) -> dict[str, str]:
 class Services:
     """One ``genrec ingest`` and ``workers`` x ``genrec serve``, in consumer groups of their own."""
 
-    def __init__(self, settings: Settings, workers: int, run_id: str) -> None:
+    def __init__(
+        self, settings: Settings, workers: int, run_id: str, guarantee: str | None = None
+    ) -> None:
         self.settings = settings
         self.workers = workers
+        self.guarantee = guarantee or settings.online.processing_guarantee
         self.online_group = f"{settings.online.group_id}-load-{run_id}-{workers}"
         self.ingest_group = f"{settings.ingest.group_id}-load-{run_id}-{workers}"
         self.log_dir = settings.path("logs", "x").parent
@@ -552,9 +558,12 @@ class Services:
             skip_group_to_end(self.settings, group, topic)
         self._launch("ingest", ["ingest", "--group", self.ingest_group], {})
         overrides = {"GENREC_ONLINE__GROUP_ID": self.online_group,
-                     "GENREC_ONLINE__AUTO_OFFSET_RESET": "earliest"}  # fmt: skip
+                     "GENREC_ONLINE__AUTO_OFFSET_RESET": "earliest",
+                     "GENREC_ONLINE__PROCESSING_GUARANTEE": self.guarantee}  # fmt: skip
         for n in range(self.workers):
-            self._launch(f"serve-{n + 1}", ["serve", "--metrics-port", "0"], overrides)
+            # one transactional.id per worker: two on one host must not fence each other
+            instance = {"GENREC_ONLINE__INSTANCE_ID": f"load-{self.run_id}-{n + 1}"}
+            self._launch(f"serve-{n + 1}", ["serve", "--metrics-port", "0"], overrides | instance)
 
     def _launch(self, name: str, args: list[str], overrides: dict[str, str]) -> None:
         env = {**os.environ, **settings_environment(self.settings), **overrides,
@@ -634,9 +643,11 @@ def assigned_members(admin: KafkaAdminClient, group: str) -> int:
 
 
 @contextlib.contextmanager
-def started_services(settings: Settings, workers: int, run_id: str) -> Iterator[Services]:
+def started_services(
+    settings: Settings, workers: int, run_id: str, guarantee: str | None = None
+) -> Iterator[Services]:
     """Services running for the block, stopped on the way out whatever happens."""
-    services = Services(settings, workers, run_id)
+    services = Services(settings, workers, run_id, guarantee)
     try:
         services.start()
         yield services
@@ -756,16 +767,19 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
         sender = EventSender(settings)
         stack.callback(sender.close)
         traffic = _Traffic(sender, picker, answers, config)
-        for workers in config.phase_workers():
-            if config.start:
-                phases.append(run_started_phase(traffic, settings, workers, run_id))
-            else:
-                phases.append(run_phase(traffic, workers, config.worker_pids, None))
+        guarantees = config.guarantees if config.start else ()
+        for guarantee in guarantees or (settings.online.processing_guarantee,):
+            for workers in config.phase_workers():
+                if config.start:
+                    phase = run_started_phase(traffic, settings, workers, run_id, guarantee)
+                else:
+                    phase = run_phase(traffic, workers, config.worker_pids, None)
+                phases.append({"guarantee": guarantee, **phase})
     return build_report(settings, config, phases, run_id)
 
 
 def run_started_phase(
-    traffic: _Traffic, settings: Settings, workers: int, run_id: str
+    traffic: _Traffic, settings: Settings, workers: int, run_id: str, guarantee: str
 ) -> dict[str, Any]:
     """A phase against services it starts; restarted once if the workers never serve.
 
@@ -775,8 +789,10 @@ def run_started_phase(
     """
     config = traffic.config
     for attempt in range(1, START_ATTEMPTS + 1):
-        with started_services(settings, workers, f"{run_id}-{attempt}") as services:
-            print(f"load: started ingest and {workers} serve (logs {services.log_path('*')})")
+        attempt_id = f"{run_id}-{guarantee[0]}{attempt}"
+        with started_services(settings, workers, attempt_id, guarantee) as services:
+            print(f"load: started ingest and {workers} serve, {guarantee} "
+                  f"(logs {services.log_path('*')})")  # fmt: skip
             try:
                 services.wait_ready(config.join_timeout_s)
                 warm_up(traffic, workers, services.check_alive, config.join_timeout_s)
@@ -810,18 +826,34 @@ def build_report(
     }  # fmt: skip
 
 
-def ratios(phases: Sequence[dict[str, Any]]) -> dict[str, float | None]:
-    """The 2-worker / 1-worker ratios of held rates and of peak answered throughput."""
-    held = {p["workers"]: p["held_eps"] for p in phases}
-    peak = {p["workers"]: p["peak_answered_eps"] for p in phases}
-    return {"held_ratio_2_over_1": worker_ratio(held), "peak_ratio_2_over_1": worker_ratio(peak)}
+def ratios(phases: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The 2-worker / 1-worker ratios of held rates and of peak answered throughput (of the
+    first guarantee run), and per worker count exactly-once / at-least-once held rates."""
+    first = phases[0].get("guarantee") if phases else None
+    ran = [p for p in phases if p.get("guarantee") == first]
+    held = {p["workers"]: p["held_eps"] for p in ran}
+    peak = {p["workers"]: p["peak_answered_eps"] for p in ran}
+    by = {(p.get("guarantee"), p["workers"]): p["held_eps"] for p in phases}
+    guarantee_ratio = {
+        str(w): worker_ratio({2: by.get(("exactly_once", w)), 1: by.get(("at_least_once", w))})
+        for w in sorted({p["workers"] for p in phases})
+        if ("exactly_once", w) in by and ("at_least_once", w) in by
+    }
+    return {
+        "held_ratio_2_over_1": worker_ratio(held), "peak_ratio_2_over_1": worker_ratio(peak),
+        "held_ratio_exactly_once_over_at_least_once": guarantee_ratio,
+    }  # fmt: skip
+
+
+def _phase_key(phase: Mapping[str, Any]) -> tuple[str, int]:
+    return (phase.get("guarantee") or "at_least_once", phase["workers"])
 
 
 def merge_reports(previous: Mapping[str, Any], report: dict[str, Any]) -> dict[str, Any]:
-    """``report`` plus the phases of ``previous`` for worker counts it did not run."""
-    ran = {p["workers"] for p in report["phases"]}
-    kept = [p for p in previous.get("phases", []) if p["workers"] not in ran]
-    phases = sorted([*kept, *report["phases"]], key=lambda p: p["workers"])
+    """``report`` plus the phases of ``previous`` for (guarantee, worker count) it did not run."""
+    ran = {_phase_key(p) for p in report["phases"]}
+    kept = [p for p in previous.get("phases", []) if _phase_key(p) not in ran]
+    phases = sorted([*kept, *report["phases"]], key=_phase_key)
     return {**report, "phases": phases, **ratios(phases)}
 
 
@@ -847,7 +879,8 @@ def print_summary(report: Mapping[str, Any]) -> None:
     for phase in report["phases"]:
         held = phase["held_eps"]
         held_text = f"{held:g} events/s" if held is not None else "no rate"
-        print(f"load {phase['workers']} worker(s): held {held_text} at p99 <= "
+        print(f"load {phase['workers']} worker(s), {phase.get('guarantee', 'at_least_once')}: "
+              f"held {held_text} at p99 <= "
               f"{report['config']['p99_ms']:g} ms; peak answered "
               f"{phase['peak_answered_eps'] or 0:.1f} events/s")  # fmt: skip
     held_ratio, peak_ratio = report["held_ratio_2_over_1"], report["peak_ratio_2_over_1"]
@@ -858,6 +891,9 @@ def print_summary(report: Mapping[str, Any]) -> None:
     if peak_ratio is not None:
         line += f"; peak answered throughput {peak_ratio:.2f}x"
     print(line)
+    for workers, ratio in report.get("held_ratio_exactly_once_over_at_least_once", {}).items():
+        text = "n/a (a phase held no rate)" if ratio is None else f"{ratio:.2f}x"
+        print(f"load {workers} worker(s) exactly_once / at_least_once held rate: {text}")
 
 
 def write_report(report: Mapping[str, Any], json_path: Path, png_path: Path) -> None:
@@ -879,6 +915,8 @@ def plot_latency(phases: Sequence[Mapping[str, Any]], p99_limit_ms: float, path:
         steps = [s for s in phase["steps"] if s["p50_ms"] is not None and s["answered_eps"] > 0]
         throughput = [s["answered_eps"] for s in steps]
         label = f"{phase['workers']} worker{'s' if phase['workers'] != 1 else ''}"
+        if phase.get("guarantee") == "exactly_once":
+            label += ", exactly once"
         ax.plot(
             throughput, [s["p50_ms"] for s in steps], marker="o", color=color, label=f"{label} p50"
         )
