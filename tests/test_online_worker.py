@@ -14,10 +14,11 @@ from kafka.future import Future
 from kafka.structs import TopicPartition
 
 from genrec.infra.settings import Settings
+from genrec.online.batch_pipeline import InFlightBatch
 from genrec.online.live_version import ServingBundle, ServingVersions
 from genrec.online.recommender import PreparedBatch
 from genrec.online.transactions import TransactionAborted, TransactionalPublisher
-from genrec.online.worker import OnlineWorker
+from genrec.online.worker import OnlineWorker, _Polled, group_requests
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 
@@ -674,6 +675,10 @@ class FakeTransactionalProducer(FakeProducer):
         self.log.append("abort")
 
 
+def worker_polled(rec) -> _Polled:
+    return _Polled(rec, UserEvent.model_validate_json(rec.value), time.monotonic())
+
+
 def exactly_once_worker(arrivals, producer):
     worker, consumer, producer, versions = make_worker(
         arrivals, producer, processing_guarantee="exactly_once", instance_id="w1"
@@ -735,3 +740,20 @@ def test_a_transactional_publisher_replaces_a_producer_that_cannot_abort() -> No
         )
     assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
     assert made[1].log == ["init"]  # the new producer's init fences and aborts the old one
+
+
+@pytest.mark.parametrize("guarantee", ["at_least_once", "exactly_once"])
+def test_lost_partitions_read_again_only_what_was_not_committed(guarantee) -> None:
+    """A batch published but not yet collected when its partitions are lost: at-least-once
+    never committed it (read it again); exactly-once committed it in its transaction."""
+    tp0 = TopicPartition(TOPIC, 0)
+    worker, consumer, _producer, _ = make_worker([], processing_guarantee=guarantee)
+    worker.consumer = consumer
+    polled = [worker_polled(record(0, 7, "e7", "u7"))]
+    batch = InFlightBatch(polled, group_requests(polled), worker._epoch)
+    batch.paths = ["fake"]
+    batch.mark_sent()  # done: acknowledged (at-least-once) / its transaction committed
+    worker._in_flight.append(batch)
+    assert worker._partitions_revoked([tp0], lost=True) == {}
+    assert worker._dropped == ({} if guarantee == "exactly_once" else {tp0: 7})
+    assert worker.report.requests == (1 if guarantee == "exactly_once" else 0)
