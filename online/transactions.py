@@ -47,6 +47,10 @@ class TransactionAborted(RuntimeError):
     """The batch's transaction was aborted; nothing of it is visible. Serve it again."""
 
 
+class TransactionTimeout(TimeoutError):
+    """A transactional request got no answer in time (its coordinator died, say)."""
+
+
 class ProducerFenced(RuntimeError):
     """Another worker with this ``transactional.id`` took over: this one must stop."""
 
@@ -54,8 +58,9 @@ class ProducerFenced(RuntimeError):
 class TransactionalPublisher:
     """Owns the transactional producer: ``init_transactions`` once, one transaction a batch."""
 
-    def __init__(self, producer_factory: Callable[[], Any]) -> None:
+    def __init__(self, producer_factory: Callable[[], Any], timeout_s: float = 30.0) -> None:
         self._factory = producer_factory
+        self.timeout_s = timeout_s
         self.producer = self._start()
         self.transactions = 0
         self.aborted = 0
@@ -90,15 +95,35 @@ class TransactionalPublisher:
                 committed = {
                     tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()
                 }
-                producer.send_offsets_to_transaction(committed, group_metadata)
-            producer.commit_transaction()  # flushes the sends first
+                self._bounded("sending the offsets", "send_offsets_to_transaction",
+                              committed, group_metadata)  # fmt: skip
+            self._bounded("committing", "begin_commit")  # flushes the sends first
         except FENCED as exc:
             raise ProducerFenced(str(exc)) from exc
+        except TransactionTimeout as exc:
+            # Its state is unknown: a new producer's init_transactions settles it (aborts
+            # or completes it on the broker) before anything else is sent.
+            self.aborted += 1
+            self._replace(exc)
+            raise TransactionAborted(str(exc)) from exc
         except Exception as exc:
             self.aborted += 1
             self._abort()
             raise TransactionAborted(f"{type(exc).__name__}: {exc}") from exc
         self.transactions += 1
+
+    def _bounded(self, what: str, step: str, *args: Any) -> None:
+        """A transactional step, waited for at most ``timeout_s``.
+
+        kafka-python's ``commit_transaction`` and ``send_offsets_to_transaction`` wait
+        without a limit; with a coordinator killed mid-commit we saw a worker wait
+        forever. So this calls the transaction manager as those two methods do
+        (kafka-python 3.0 internals) and bounds the wait.
+        """
+        result = getattr(self.producer._transaction_manager, step)(*args)
+        self.producer._sender.wakeup()
+        if not result.wait(timeout_ms=self.timeout_s * 1000):
+            raise TransactionTimeout(f"{what} got no answer within {self.timeout_s:g} s")
 
     def _abort(self) -> None:
         """Abort the open transaction; a producer that cannot (its state is fatal) is replaced:
@@ -109,7 +134,11 @@ class TransactionalPublisher:
         except FENCED as exc:
             raise ProducerFenced(str(exc)) from exc
         except Exception as exc:
-            log.warning("aborting the transaction failed (%s); starting a new producer", exc)
+            self._replace(exc)
+
+    def _replace(self, cause: BaseException) -> None:
+        """Close this producer and start another with the same ``transactional.id``."""
+        log.warning("transaction failed (%s); starting a new producer", cause)
         try:
             self.producer.close(timeout=5)
         except Exception:

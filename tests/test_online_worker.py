@@ -633,6 +633,17 @@ def test_the_batch_timer_fits_a_fixed_cost_beside_the_cost_per_user() -> None:
 # --- exactly-once (online.processing_guarantee) ------------------------------------------
 
 
+class Answered:
+    """A transactional request result that runs its step when waited for."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+    def wait(self, timeout_ms=None) -> bool:
+        self.step()
+        return True
+
+
 class FakeTransactionalProducer(FakeProducer):
     """Transactions as the broker keeps them: sends and offsets visible only once committed;
     ``fail_commits`` refuses that many commits (as a coordinator refusing a stale
@@ -648,6 +659,26 @@ class FakeTransactionalProducer(FakeProducer):
 
     def init_transactions(self):
         self.log.append("init")
+
+    @property
+    def _transaction_manager(self):  # what TransactionalPublisher calls to bound its waits
+        producer = self
+
+        class Manager:
+            def begin_commit(self):
+                return Answered(producer.commit_transaction)
+
+            def send_offsets_to_transaction(self, offsets, group_metadata):
+                return Answered(
+                    lambda: producer.send_offsets_to_transaction(offsets, group_metadata)
+                )
+
+        return Manager()
+
+    class _sender:  # noqa: N801 (kafka-python's attribute name)
+        @staticmethod
+        def wakeup():
+            pass
 
     def begin_transaction(self):
         self.log.append("begin")
@@ -757,3 +788,25 @@ def test_lost_partitions_read_again_only_what_was_not_committed(guarantee) -> No
     assert worker._partitions_revoked([tp0], lost=True) == {}
     assert worker._dropped == ({} if guarantee == "exactly_once" else {tp0: 7})
     assert worker.report.requests == (1 if guarantee == "exactly_once" else 0)
+
+
+def test_a_transaction_without_an_answer_is_abandoned_and_the_producer_replaced() -> None:
+    class Silent(FakeTransactionalProducer):  # its coordinator died mid-commit
+        @property
+        def _transaction_manager(self):
+            class Manager:
+                def begin_commit(self):
+                    return type("Unanswered", (), {"wait": lambda self, timeout_ms=None: False})()
+
+            return Manager()
+
+    made: list = []
+
+    def factory():
+        made.append(Silent() if not made else FakeTransactionalProducer())
+        return made[-1]
+
+    publisher = TransactionalPublisher(factory, timeout_s=0.01)
+    with pytest.raises(TransactionAborted, match="no answer within"):
+        publisher.publish("t", [], {}, None)
+    assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
