@@ -308,6 +308,17 @@ class RefreshSettings(BaseModel):
     kv_batch_size: int = 16
     reuse_unchanged_kv: bool = True  # same model and same prompt tokens: link the old file
     active_days: float | None = None  # users with an event this recent (None: every user)
+    # Byte budget of one KV version, in MiB (2**20 bytes, as the store measures its files):
+    # users are then read newest first and the run stops at the first whose cache would
+    # not fit; the rest are served from their prompt. None: every active user.
+    kv_budget_mb: float | None = Field(default=None, gt=0)
+    # Number format of the stored caches. float16 halves the bytes of float32 and keeps 11
+    # significant bits (bfloat16 only 8): the slot cache casts it back to the serving
+    # model's dtype as it copies a prefix in, and on random `small` models the top-10
+    # stayed the same (tests/test_kv_dtype.py; not yet checked on the trained ML-100K
+    # model). A cache with a value float16 cannot hold (beyond +-65504) is not stored:
+    # that user is served from the prompt.
+    kv_dtype: Literal["float32", "float16", "bfloat16"] = "float16"
     kv_users_per_read: int = Field(default=10_000, ge=1)  # users read from the store at a time
     keep_versions: int = 2  # KV versions kept after activation: the active one + previous
     # Cross-process run lock.

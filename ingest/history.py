@@ -7,6 +7,10 @@ step that needs them:
   recall fitting);
 - ``history_pages``: a page of users at a time up to an ``events.id`` cutoff, optionally
   only recently active users (the refresh's prefix-KV precompute; memory stays bounded);
+- ``users_newest_first`` and ``load_histories_until``: the same users in pages ordered by
+  their newest event up to the cutoff, newest first, and a page's histories (the
+  refresh's prefix-KV precompute under a byte budget); ``count_inactive_users``: those
+  the window leaves out;
 - ``load_histories_of``: a given set of users in one query, each cut to their newest N
   events (the online recommender);
 - ``load_item_ids``: the catalog plus every item seen in events.
@@ -25,12 +29,15 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import heapq
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, Engine, Select, func, select
+from sqlalchemy import ColumnElement, Engine, Select, and_, func, or_, select
 
-from genrec.schemas.tables import events, items
+from genrec.schemas.tables import events, items, users
+
+IN_CHUNK = 500  # user ids per IN (...) list: far below every database's parameter limit
 
 
 # slots: the offline readers hold every stored event at once, and a slotted event with
@@ -77,14 +84,9 @@ def history_pages(
     then their events), so no read transaction stays open between pages.
     """
     below_cutoff = events.c.id <= until_row
-    active_since = None
-    if active_days is not None:
-        with engine.connect() as connection:
-            newest = connection.execute(select(func.max(events.c.ts_ms)).where(below_cutoff))
-            newest_ts = newest.scalar()
-        if newest_ts is None:
-            return
-        active_since = newest_ts - int(active_days * 86_400_000)
+    active_since = _active_since(engine, below_cutoff, active_days)
+    if active_since == _NO_EVENTS:
+        return
     after = None
     while True:
         users = _next_users(engine, below_cutoff, active_since, after, users_per_page)
@@ -95,6 +97,81 @@ def history_pages(
         in_range = (events.c.user_id >= users[0], events.c.user_id <= users[-1])
         yield _grouped(engine, _history_query(below_cutoff, *in_range), wanted=set(users))
         after = users[-1]
+
+
+def users_newest_first(
+    engine: Engine, *, until_row: int, users_per_page: int, active_days: float | None = None
+) -> Iterator[list[str]]:
+    """Pages of up to ``users_per_page`` user ids, ordered by each user's newest event with
+    ``events.id <= until_row`` (``ts_ms``, newest first; ties by user id), with
+    ``active_days`` only users with an event that recent (as in ``history_pages``).
+
+    Users come from ``users``, which ingest keeps in the same transaction as their events
+    (``genrec.ingest.store``): a user whose events were written without it is never read.
+    ``users.last_ts_ms`` covers every stored event, also those after the cutoff, so it
+    is only an upper bound of the order's key: users are read in ``last_ts_ms`` order, their
+    key is computed from the events up to the cutoff, and a user is handed out once no
+    unread user can have a newer key. Memory: one page, plus a (key, id) pair for each
+    user waiting because events after the cutoff raised its ``last_ts_ms`` (typically the
+    few users active while the refresh runs).
+    """
+    below_cutoff = events.c.id <= until_row
+    active_since = _active_since(engine, below_cutoff, active_days)
+    if active_since == _NO_EVENTS:
+        return
+    waiting: list[tuple[int, str]] = []  # heap of (-newest event up to the cutoff, user id)
+    ready: list[str] = []
+    after: tuple[int, str] | None = None
+    while True:
+        rows = _users_by_last_ts(engine, active_since, after, users_per_page)
+        for user_id, newest in _newest_up_to(engine, [r[0] for r in rows], below_cutoff).items():
+            if active_since is None or newest >= active_since:
+                heapq.heappush(waiting, (-newest, user_id))
+        # No unread user has a key above ``bound`` (its last_ts_ms is at most that)
+        bound = rows[-1][1] if len(rows) == users_per_page else None
+        while waiting and (bound is None or -waiting[0][0] > bound):
+            ready.append(heapq.heappop(waiting)[1])
+            if len(ready) == users_per_page:
+                yield ready
+                ready = []
+        if bound is None:
+            break
+        after = (rows[-1][1], rows[-1][0])
+    if ready:
+        yield ready
+
+
+def load_histories_until(
+    engine: Engine, user_ids: Sequence[str], *, until_row: int
+) -> dict[str, list[HistoryEvent]]:
+    """The events with ``events.id <= until_row`` of ``user_ids`` in time order, in the
+    order of ``user_ids`` (users without such events are left out); ``IN_CHUNK`` users
+    per query."""
+    found: dict[str, list[HistoryEvent]] = {}
+    below_cutoff = events.c.id <= until_row
+    for start in range(0, len(user_ids), IN_CHUNK):
+        chunk = list(user_ids[start : start + IN_CHUNK])
+        found.update(_grouped(engine, _history_query(below_cutoff, events.c.user_id.in_(chunk))))
+    return {user_id: found[user_id] for user_id in user_ids if user_id in found}
+
+
+def count_inactive_users(engine: Engine, *, until_row: int, active_days: float) -> int:
+    """Users with events up to ``until_row`` but none within ``active_days`` of the newest
+    of them (those ``history_pages`` and ``users_newest_first`` leave out); one scan."""
+    below_cutoff = events.c.id <= until_row
+    active_since = _active_since(engine, below_cutoff, active_days)
+    if active_since == _NO_EVENTS:
+        return 0
+    newest = func.max(events.c.ts_ms)
+    inactive = (
+        select(events.c.user_id)
+        .where(below_cutoff)
+        .group_by(events.c.user_id)
+        .having(newest < active_since)
+        .subquery()
+    )
+    with engine.connect() as connection:
+        return int(connection.execute(select(func.count()).select_from(inactive)).scalar_one())
 
 
 def load_item_ids(engine: Engine) -> list[str]:
@@ -149,6 +226,58 @@ def _next_users(
         query = query.having(func.max(events.c.ts_ms) >= active_since)
     with engine.connect() as connection:
         return list(connection.execute(query.order_by(events.c.user_id).limit(limit)).scalars())
+
+
+_NO_EVENTS = -1  # ``_active_since``: nothing below the cutoff (timestamps are never negative)
+
+
+def _active_since(
+    engine: Engine, below_cutoff: ColumnElement[bool], active_days: float | None
+) -> int | None:
+    """The window's first ``ts_ms`` (counted back from the newest event below the cutoff),
+    None without a window, ``_NO_EVENTS`` when there is nothing below the cutoff."""
+    if active_days is None:
+        return None
+    with engine.connect() as connection:
+        newest = connection.execute(select(func.max(events.c.ts_ms)).where(below_cutoff))
+        newest_ts = newest.scalar()
+    if newest_ts is None:
+        return _NO_EVENTS
+    return max(0, newest_ts - int(active_days * 86_400_000))
+
+
+def _users_by_last_ts(
+    engine: Engine, active_since: int | None, after: tuple[int, str] | None, limit: int
+) -> list[tuple[str, int]]:
+    """The next ``limit`` (user id, last_ts_ms) after ``after`` in (last_ts_ms, user id)
+    descending order (both descending: the ``ix_users_last_ts`` index read backwards)."""
+    last = users.c.last_ts_ms
+    query = select(users.c.user_id, last)
+    if active_since is not None:
+        query = query.where(last >= active_since)
+    if after is not None:
+        ts, user_id = after
+        query = query.where(or_(last < ts, and_(last == ts, users.c.user_id < user_id)))
+    query = query.order_by(last.desc(), users.c.user_id.desc()).limit(limit)
+    with engine.connect() as connection:
+        return [(user_id, int(ts)) for user_id, ts in connection.execute(query)]
+
+
+def _newest_up_to(
+    engine: Engine, user_ids: list[str], below_cutoff: ColumnElement[bool]
+) -> dict[str, int]:
+    """Each user's newest ``ts_ms`` below the cutoff (users without such events left out)."""
+    newest: dict[str, int] = {}
+    with engine.connect() as connection:
+        for start in range(0, len(user_ids), IN_CHUNK):
+            chunk = user_ids[start : start + IN_CHUNK]
+            query = (
+                select(events.c.user_id, func.max(events.c.ts_ms))
+                .where(below_cutoff, events.c.user_id.in_(chunk))
+                .group_by(events.c.user_id)
+            )
+            newest.update((user_id, int(ts)) for user_id, ts in connection.execute(query))
+    return newest
 
 
 def _natural_key(item_id: str) -> tuple[int, int | str]:

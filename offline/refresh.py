@@ -8,8 +8,10 @@ A run, under the cross-process lock ``offline-refresh``:
 3. retrains the target and/or re-aligns the drafts when configured (a new
    target always re-aligns the drafts: alignment is tied to one target),
 4. precomputes every active user's long-history prefix KV (batched, on the GPU
-   when present) into the KV store under a new KV version, reusing last
-   version's file where model and prompt are unchanged,
+   when present, stored in ``refresh.kv_dtype``) into the KV store under a new KV
+   version, reusing last version's file where model and prompt are unchanged; under
+   ``refresh.kv_budget_mb`` users are taken newest first until the next one would not
+   fit (``KVBudget``),
 5. activates the new serving version (semantic-ID, model, KV versions) in one
    database transaction, then garbage-collects old KV versions.
 
@@ -37,7 +39,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,11 +54,21 @@ from genrec.infra.serving_versions import (
     mark_failed,
     recent_activated_versions,
 )
-from genrec.ingest.history import history_pages
+from genrec.ingest.history import (
+    count_inactive_users,
+    history_pages,
+    load_histories_until,
+    users_newest_first,
+)
 from genrec.offline.artifact_gc import collect_old_versions
 from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.run_lock import RunLock
-from genrec.online.prefix_kv_store import PrefixKVEntry, open_kv_store
+from genrec.online.prefix_kv_store import (
+    KVShape,
+    PrefixKVEntry,
+    kv_file_nbytes_bound,
+    open_kv_store,
+)
 from genrec.online.prompts import history_prompt
 from genrec.schemas.tables import events, items, job_runs, serving_versions
 
@@ -129,6 +141,61 @@ def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> li
     return compute(model, prompts, model_version, batch_size=max(1, len(prompts)))
 
 
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def cast_prefix_kvs(prefix_kvs: list, dtype: str) -> list:
+    """``prefix_kvs`` in ``dtype`` (``refresh.kv_dtype``), where they were computed; None for
+    a cache that float16 cannot hold (a value beyond +-65504 would become inf)."""
+    import torch  # the refresh only imports torch once it computes
+
+    target = getattr(torch, dtype)
+    out = []
+    for prefix_kv in prefix_kvs:
+        tensors = prefix_kv.keys + prefix_kv.values
+        if target == torch.float16 and any(
+            t.numel() and t.abs().max() > torch.finfo(torch.float16).max for t in tensors
+        ):
+            out.append(None)
+            continue
+        device = tensors[0].device if tensors else "cpu"
+        out.append(prefix_kv if tensors[0].dtype == target else prefix_kv.to(device, target))
+    return out
+
+
+@dataclass
+class KVBudget:
+    """The byte budget of one KV version (``refresh.kv_budget_mb``; None: no limit).
+
+    Users are offered newest first; the first whose cache would not fit closes the
+    budget, and every later user is skipped (newest first, strictly: no smaller cache of
+    an older user fills the gap). A user is admitted by the bytes its file will take at
+    most (``kv_file_nbytes_bound``; a reused file: its recorded size); once a page is
+    written, ``settle`` replaces those bounds by the sizes the store recorded.
+    """
+
+    limit_bytes: int | None
+    used_bytes: int = 0
+    full: bool = False
+
+    @classmethod
+    def from_mb(cls, budget_mb: float | None) -> KVBudget:
+        return cls(None if budget_mb is None else int(budget_mb * 2**20))
+
+    def admit(self, nbytes: int) -> bool:
+        """Count ``nbytes`` in if they fit; else close the budget for good."""
+        if self.full or (
+            self.limit_bytes is not None and self.used_bytes + nbytes > self.limit_bytes
+        ):
+            self.full = True
+            return False
+        self.used_bytes += nbytes
+        return True
+
+    def settle(self, admitted_bytes: int, stored_bytes: int) -> None:
+        self.used_bytes += stored_bytes - admitted_bytes
+
+
 @dataclass
 class RefreshSteps:
     """The functions one run calls; ``checkpoint(name)`` runs after each step (test hook)."""
@@ -178,6 +245,28 @@ def run_refresh(
         return run.execute(trigger, cancel or threading.Event())
     finally:
         lock.release()
+
+
+def precompute_prefix_kv(
+    settings,
+    engine: Engine,
+    store,
+    models,
+    *,
+    kv_version: int,
+    cutoff_row: int,
+    reuse_from: int | None = None,
+) -> dict[str, Any]:
+    """The refresh's prefix-KV step alone, into ``store`` (``genrec bench prefix-kv``): the
+    users ``settings.refresh`` chooses up to ``cutoff_row``, computed or linked from
+    ``reuse_from``; returns the run's ``kv`` counts. Takes no lock and activates nothing."""
+    run = _Run(settings, engine, store, None, _NoLock())
+    run._precompute_kv(models, kv_version, cutoff_row, reuse_from)
+    return run.counts["kv"]
+
+
+class _NoLock:
+    lost = threading.Event()  # never set: nothing can take over a run that holds no lock
 
 
 class _Run:
@@ -239,8 +328,9 @@ class _Run:
         if semantic_id_version is None:
             semantic_id_version = getattr(models, "semantic_id_version", None)
         if refresh.precompute_kv:
+            reuse_from = self._reuse_from(previous)
             self._step(
-                "prefix_kv", lambda: self._precompute_kv(models, version, cutoff_row, previous)
+                "prefix_kv", lambda: self._precompute_kv(models, version, cutoff_row, reuse_from)
             )
         if refresh.recall:
             self._step("recall", lambda: self.steps.fit_recall(self.settings, self.engine))
@@ -278,61 +368,108 @@ class _Run:
                 items_total=int(catalog.scalar_one()),
             )
 
-    def _precompute_kv(self, models, kv_version: int, cutoff_row: int, previous) -> None:
-        config = self.settings.refresh
-        reuse_from = None
+    def _reuse_from(self, previous) -> int | None:
+        """The KV version whose unchanged files this run links instead of recomputing."""
         if previous and previous.kv_version is not None and hasattr(self.store, "reuse_many"):
-            reuse_from = previous.kv_version if config.reuse_unchanged_kv else None
-        totals = {"users": 0, "computed": 0, "reused": 0}
-        # A page of users at a time: memory stays bounded however many users there are.
-        pages = history_pages(
-            self.engine,
-            until_row=cutoff_row,
-            users_per_page=config.kv_users_per_read,
-            active_days=config.active_days,
-        )
-        for histories in pages:
-            self._check_cancel()
-            users = (next(iter(histories)), next(reversed(histories)))  # in database order
-            old = self.store.entries(reuse_from, users) if reuse_from is not None else {}
-            computed, reused = self._precompute_page(models, kv_version, histories, old)
-            totals["users"] += len(histories)
-            totals["computed"] += computed
-            totals["reused"] += reused
-        self.counts["kv"] = {**totals, **self.store.sizes(kv_version)}
+            return previous.kv_version if self.settings.refresh.reuse_unchanged_kv else None
+        return None
 
-    def _precompute_page(self, models, kv_version: int, histories, old) -> tuple[int, int]:
-        """Reuse or compute the prefix KV of one page of users; (computed, reused)."""
-        model_version = str(models.version)
+    def _precompute_kv(self, models, kv_version: int, cutoff_row: int, reuse_from) -> None:
+        config = self.settings.refresh
+        budget = KVBudget.from_mb(config.kv_budget_mb)
+        totals = {"users": 0, "computed": 0, "reused": 0, "skipped_budget": 0,
+                  "skipped_dtype": 0}  # fmt: skip
+        for histories in self._kv_pages(cutoff_row, budget, totals):
+            self._check_cancel()
+            old = {}
+            if reuse_from is not None:
+                old = self.store.entries(reuse_from, user_ids=list(histories))
+            self._precompute_page(models, kv_version, histories, old, budget, totals)
+        skipped_window = 0
+        if config.active_days is not None:
+            skipped_window = count_inactive_users(
+                self.engine, until_row=cutoff_row, active_days=config.active_days
+            )
+        self.counts["kv"] = {
+            **totals, "skipped_window": skipped_window, "dtype": config.kv_dtype,
+            "budget_bytes": budget.limit_bytes, **self.store.sizes(kv_version),
+        }  # fmt: skip
+
+    def _kv_pages(self, cutoff_row: int, budget: KVBudget, totals) -> Iterator[dict]:
+        """Pages of active users' histories: in database order without a budget (range reads:
+        everyone gets a cache, the order does not matter), else newest first, and once the
+        budget is full only the remaining users' count (their histories are not read)."""
+        config = self.settings.refresh
+        pages = dict(until_row=cutoff_row, users_per_page=config.kv_users_per_read,
+                     active_days=config.active_days)  # fmt: skip
+        if budget.limit_bytes is None:
+            yield from history_pages(self.engine, **pages)
+            return
+        for user_ids in users_newest_first(self.engine, **pages):
+            if budget.full:
+                totals["skipped_budget"] += len(user_ids)
+                continue
+            yield load_histories_until(self.engine, user_ids, until_row=cutoff_row)
+
+    def _precompute_page(self, models, kv_version: int, histories, old, budget, totals) -> None:
+        """Reuse or compute the prefix KV of one page of users, in page order until the
+        budget is full; adds to ``totals``."""
+        model_version, dtype = str(models.version), self.settings.refresh.kv_dtype
+        shape = KVShape.of(models.target)
         todo: list[tuple[PrefixKVEntry, list[int]]] = []
         reuse: list[tuple[PrefixKVEntry, PrefixKVEntry]] = []
+        admitted = 0
         for user_id, history in histories.items():
             item_ids = [e.item_id for e in history]
             prompt = history_prompt(item_ids, models.item_tokens, models.history_items)
-            entry = _entry(user_id, kv_version, model_version, history, prompt)
+            entry = _entry(user_id, kv_version, model_version, history, prompt, dtype)
             before = old.get(user_id)
-            if before and (before.model_version, before.prompt_sha1) == (
+            same = before is not None and (before.model_version, before.prompt_sha1) == (
                 model_version,
                 entry.prompt_sha1,
-            ):
+            )
+            nbytes = before.nbytes if same else kv_file_nbytes_bound(
+                shape, len(prompt), DTYPE_BYTES[dtype], model_version)  # fmt: skip
+            if not budget.admit(nbytes):
+                totals["skipped_budget"] += len(histories) - len(todo) - len(reuse)
+                break
+            admitted += nbytes
+            if same:
                 reuse.append((entry, before))
             else:
                 todo.append((entry, prompt))
         if reuse:
             self.store.reuse_many(kv_version, reuse)
-        self._compute_batches(models, kv_version, model_version, todo)
-        return len(todo), len(reuse)
+        unstorable = self._compute_batches(models, kv_version, model_version, todo)
+        totals["skipped_dtype"] += unstorable
+        totals["users"] += len(todo) - unstorable + len(reuse)
+        totals["computed"] += len(todo) - unstorable
+        totals["reused"] += len(reuse)
+        if budget.limit_bytes is not None and hasattr(self.store, "entries"):
+            written = [e.user_id for e, _ in todo] + [e.user_id for e, _ in reuse]
+            stored = self.store.entries(kv_version, user_ids=written).values()
+            budget.settle(admitted, sum(e.nbytes for e in stored))
 
-    def _compute_batches(self, models, kv_version, model_version, todo) -> None:
+    def _compute_batches(self, models, kv_version, model_version, todo) -> int:
+        """Compute, cast and store ``todo``'s caches; returns how many float16 could not hold."""
         todo = sorted(todo, key=lambda pair: len(pair[1]))  # similar lengths: less padding
-        batch_size = self.settings.refresh.kv_batch_size
+        batch_size, dtype = self.settings.refresh.kv_batch_size, self.settings.refresh.kv_dtype
         batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
+        unstorable = 0
         for batch in progress_bar(batches, desc="prefix KV", unit="batch", leave=False):
             self._check_cancel()
             prompts = [prompt for _entry, prompt in batch]
             prefix_kvs = self.steps.compute_prefix_kv(models.target, prompts, model_version)
-            self.store.put_many(kv_version, zip([e for e, _p in batch], prefix_kvs, strict=True))
+            cast = cast_prefix_kvs(prefix_kvs, dtype)
+            pairs = [(e, kv) for (e, _p), kv in zip(batch, cast, strict=True) if kv is not None]
+            unstorable += len(batch) - len(pairs)
+            self.store.put_many(kv_version, pairs)
             self.steps.checkpoint("prefix_kv_batch")
+        if unstorable:
+            log.warning("refresh: %d prefix KV caches hold values beyond float16's range; "
+                        "those users are served from the prompt (refresh.kv_dtype = "
+                        "bfloat16 keeps them)", unstorable)  # fmt: skip
+        return unstorable
 
     def _activate(self, job_run_id, version, semantic_id_version, model_version) -> None:
         """The one transaction that makes the new version visible (and checks we still own it)."""
@@ -404,11 +541,22 @@ def _event_cutoff_row(engine: Engine) -> int:
 
 
 def _entry(
-    user_id: str, kv_version: int, model_version: str, history: Sequence[HistoryEvent], prompt
+    user_id: str,
+    kv_version: int,
+    model_version: str,
+    history: Sequence[HistoryEvent],
+    prompt,
+    dtype: str = "float32",
 ) -> PrefixKVEntry:
-    """The user's index entry; the cutoff is the newest *stored* event read (largest row)."""
+    """The user's index entry; the cutoff is the newest *stored* event read (largest row).
+
+    ``prompt_sha1`` covers what the file depends on besides the model: the prompt tokens
+    and, unless float32 (files written before ``kv_dtype`` existed), the stored dtype, so
+    a changed ``refresh.kv_dtype`` recomputes instead of reusing files of the old one.
+    """
     cutoff = max(history, key=lambda e: e.row)
-    digest = hashlib.sha1(",".join(map(str, prompt)).encode()).hexdigest()
+    tokens = ",".join(map(str, prompt))
+    digest = hashlib.sha1((tokens if dtype == "float32" else f"{dtype}:{tokens}").encode())
     return PrefixKVEntry(
         user_id=user_id,
         kv_version=kv_version,
@@ -417,7 +565,7 @@ def _entry(
         cutoff_ts_ms=cutoff.ts_ms,
         cutoff_event_id=cutoff.event_id,
         n_tokens=len(prompt),
-        prompt_sha1=digest,
+        prompt_sha1=digest.hexdigest(),
     )
 
 

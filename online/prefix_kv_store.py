@@ -29,7 +29,7 @@ import hashlib
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +43,57 @@ log = logging.getLogger(__name__)
 PrefixKV = (
     Any  # genrec.online.decoding.prefix_kv.PrefixKV; kept loose so this module stays torch-free
 )
+
+
+IN_CHUNK = 500  # user ids per IN (...) list: far below every database's parameter limit
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one cached token costs: per layer a key and a value of ``kv_heads x head_dim``."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model) -> KVShape:
+        """The KV shape of a transformers causal LM (its decoder's text config)."""
+        config = model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        return cls(int(config.num_hidden_layers), int(heads), int(head_dim))
+
+    def tensor_bytes(self, n_tokens: int, itemsize: int) -> int:
+        """Bytes of one user's tensors: keys and values of ``n_tokens - 1`` cached tokens,
+        plus the ``n_tokens`` prompt ids (int64)."""
+        cached = max(n_tokens - 1, 0)
+        return 2 * self.layers * self.kv_heads * cached * self.head_dim * itemsize + 8 * n_tokens
+
+
+# Characters of one safetensors header entry besides its name, dtype and numbers:
+# "<name>":{"dtype":"<dtype>","shape":[a,b,c],"data_offsets":[start,end]},
+_HEADER_ENTRY = len('"":{"dtype":"","shape":[,,],"data_offsets":[,]},')
+
+
+def kv_file_nbytes_bound(shape: KVShape, n_tokens: int, itemsize: int, model_version: str) -> int:
+    """An upper bound of the ``nbytes`` the local backend records for one user's file.
+
+    The decoder's safetensors file is the tensors (exact, ``KVShape.tensor_bytes``) after
+    an 8-byte length and a JSON header padded to 8 bytes; the header is bounded here by
+    the widest numbers it can hold. The refresh admits users to a byte budget by this
+    bound before computing them (it is at most a few hundred bytes above the file).
+    """
+    data = shape.tensor_bytes(n_tokens, itemsize)
+    digits = len(str(data))  # every offset is at most the data's length
+    widest = len(str(max(shape.kv_heads, n_tokens, shape.head_dim)))
+    names = [f"keys.{layer}" for layer in range(shape.layers)]
+    names += [f"values.{layer}" for layer in range(shape.layers)] + ["prompt_ids"]
+    tensors = sum(len(name) + _HEADER_ENTRY + 4 + 3 * widest + 2 * digits for name in names)
+    metadata = 128 + len(model_version) + 2 * len(str(n_tokens)) + len(str(shape.layers))
+    return 8 + tensors + metadata + 8 + data  # 8: the length; the last 8: padding
 
 
 @dataclass(frozen=True)
@@ -170,19 +221,32 @@ class LocalDirKVStore:
         return _entry(row) if row else None
 
     def entries(
-        self, kv_version: int, user_range: tuple[str, str] | None = None
+        self,
+        kv_version: int,
+        user_range: tuple[str, str] | None = None,
+        *,
+        user_ids: Sequence[str] | None = None,
     ) -> dict[str, PrefixKVEntry]:
         """Users' entries of one version (the refresh compares them with the next run).
 
-        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order).
+        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order);
+        ``user_ids``: only these users (read ``IN_CHUNK`` at a time: a page of the refresh
+        can hold more users than a statement takes parameters).
         """
         query = select(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+        user_id = prefix_kv_index.c.user_id
         if user_range is not None:
             first, last = user_range
-            user_id = prefix_kv_index.c.user_id
             query = query.where(user_id >= first, user_id <= last)
+        chunks = [None] if user_ids is None else _chunks(list(user_ids), IN_CHUNK)
+        found: dict[str, PrefixKVEntry] = {}
         with self.engine.connect() as connection:
-            return {row["user_id"]: _entry(row) for row in connection.execute(query).mappings()}
+            for chunk in chunks:
+                part = query if chunk is None else query.where(user_id.in_(chunk))
+                found.update(
+                    (row["user_id"], _entry(row)) for row in connection.execute(part).mappings()
+                )
+        return found
 
     def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV:
         """The user's PrefixKV; the codec raises if it was computed by another model version.
@@ -280,6 +344,10 @@ def _row(entry: PrefixKVEntry, relative: str, nbytes: int) -> dict[str, Any]:
         "path": relative,
         "prompt_sha1": entry.prompt_sha1,
     }
+
+
+def _chunks(values: list[str], size: int) -> list[list[str]]:
+    return [values[i : i + size] for i in range(0, len(values), size)]
 
 
 def _entry(row) -> PrefixKVEntry:

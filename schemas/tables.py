@@ -50,6 +50,8 @@ users = Table(
     Column("first_ts_ms", BigInteger, nullable=False),
     Column("last_ts_ms", BigInteger, nullable=False),
 )
+# The budgeted prefix-KV refresh reads users newest first (genrec.ingest.history).
+Index("ix_users_last_ts", users.c.last_ts_ms, users.c.user_id)
 
 events = Table(
     "events",
