@@ -73,3 +73,18 @@ def configure_logging(level: str = "INFO", fmt: str | None = None, levels: str =
         logging.getLogger(noisy).setLevel(logging.WARNING)
     for name, name_level in parse_log_levels(levels).items():
         logging.getLogger(name).setLevel(name_level)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """``kill -USR1 <pid>`` writes every thread's stack to stderr; the service goes on.
+
+    For the long-running services (``genrec serve``, ``genrec ingest``): a process that
+    stops making progress without failing (a Kafka client waiting on a dead coordinator,
+    say) can then be diagnosed where it runs, with nothing installed. ``faulthandler``
+    writes from C, so it works even while the interpreter is stuck in a blocking call.
+    """
+    import faulthandler  # here: only services that opt in pay for registering the signal
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):  # not on Windows
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)

@@ -99,6 +99,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
 def _ingest(args: argparse.Namespace) -> int:
     # Imported here, not at the top: kafka and sqlalchemy load for `genrec ingest` only.
     from genrec.infra import metrics
+    from genrec.infra.logs import dump_stacks_on_sigusr1
     from genrec.ingest.consumer import Ingestor
 
     settings = get_settings()
@@ -106,6 +107,7 @@ def _ingest(args: argparse.Namespace) -> int:
         settings = settings.model_copy(deep=True)
         settings.ingest.batch_size = args.batch_size
     ingestor = Ingestor(settings, group_id=args.group)
+    dump_stacks_on_sigusr1()  # kill -USR1: every thread's stack to stderr
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: ingestor.stop())
     port = args.metrics_port if args.metrics_port is not None else settings.ingest.metrics_port

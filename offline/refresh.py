@@ -259,11 +259,17 @@ def precompute_prefix_kv(
 ) -> dict[str, Any]:
     """The refresh's prefix-KV step alone, into ``store`` (``genrec bench prefix-kv``): the
     users ``settings.refresh`` chooses up to ``cutoff_row``, computed or linked from
-    ``reuse_from``; returns the run's ``kv`` counts. Takes no lock and activates nothing."""
+    budget_order: str = "newest_first",
+    ``reuse_from``; returns the run's ``kv`` counts. Takes no lock and activates nothing.
+    ``budget_order="user_id"`` fills a budget in user-id order instead of newest first
+    (the bench's baseline; the refresh itself always goes newest first)."""
+    if budget_order not in ("newest_first", "user_id"):
+        raise ValueError(f"budget_order: newest_first or user_id, got {budget_order!r}")
     run = _Run(settings, engine, store, None, _NoLock())
     run._precompute_kv(models, kv_version, cutoff_row, reuse_from)
     return run.counts["kv"]
 
+    run.budget_order = budget_order
 
 class _NoLock:
     lost = threading.Event()  # never set: nothing can take over a run that holds no lock
@@ -279,6 +285,7 @@ class _Run:
 
     def execute(self, trigger: str, cancel: threading.Event) -> RefreshReport:
         self.cancel = cancel
+        self.budget_order = "newest_first"  # "user_id": only the bench's baseline
         _recover_abandoned(self.engine)
         previous = active_serving_version(self.engine)
         cutoff_row = _event_cutoff_row(self.engine)
@@ -402,7 +409,7 @@ class _Run:
         config = self.settings.refresh
         pages = dict(until_row=cutoff_row, users_per_page=config.kv_users_per_read,
                      active_days=config.active_days)  # fmt: skip
-        if budget.limit_bytes is None:
+        if budget.limit_bytes is None or self.budget_order == "user_id":
             yield from history_pages(self.engine, **pages)
             return
         for user_ids in users_newest_first(self.engine, **pages):

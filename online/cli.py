@@ -41,6 +41,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from genrec.infra import metrics
     from genrec.infra.database import make_engine
+    from genrec.infra.logs import dump_stacks_on_sigusr1
     from genrec.infra.settings import get_settings
     from genrec.online.live_version import (
         ServingVersions,
@@ -59,6 +60,7 @@ def _serve(args: argparse.Namespace) -> int:
         poll_s=settings.online.version_poll_s,
     ).start()
     worker = OnlineWorker(settings, Recommender(settings, engine), versions)
+    dump_stacks_on_sigusr1()  # kill -USR1: every thread's stack to stderr
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, worker.request_stop)
     port = args.metrics_port if args.metrics_port is not None else settings.online.metrics_port

@@ -43,6 +43,9 @@ FENCED = (
 )
 
 
+CLOSE_TIMEOUT_S = 5.0  # a closing producer's wait for its queued sends (its default: forever)
+
+
 class TransactionAborted(RuntimeError):
     """The batch's transaction was aborted; nothing of it is visible. Serve it again."""
 
@@ -68,12 +71,14 @@ class TransactionalPublisher:
     def _start(self) -> Any:
         producer = self._factory()
         try:
-            producer.init_transactions()  # fences our previous self, aborts its open transaction
+            # Fences our previous self and settles its open transaction; kafka-python bounds
+            # this wait by max_block_ms.
+            producer.init_transactions()
         except FENCED as exc:
-            producer.close()
+            producer.close(timeout=CLOSE_TIMEOUT_S)
             raise ProducerFenced(f"fenced at start: {exc}") from exc
         except BaseException:
-            producer.close()
+            producer.close(timeout=CLOSE_TIMEOUT_S)
             raise
         return producer
 
@@ -86,6 +91,8 @@ class TransactionalPublisher:
     ) -> None:
         """One transaction: ``payloads`` (key, value) to ``topic`` and ``offsets`` (next
         offset per consumed partition) for the group; committed when this returns."""
+        if self.producer is None:  # the last replacement could not start: try again now
+            self._replace(TransactionAborted("no producer"))
         producer = self.producer
         try:
             producer.begin_transaction()
@@ -115,10 +122,10 @@ class TransactionalPublisher:
     def _bounded(self, what: str, step: str, *args: Any) -> None:
         """A transactional step, waited for at most ``timeout_s``.
 
-        kafka-python's ``commit_transaction`` and ``send_offsets_to_transaction`` wait
-        without a limit; with a coordinator killed mid-commit we saw a worker wait
-        forever. So this calls the transaction manager as those two methods do
-        (kafka-python 3.0 internals) and bounds the wait.
+        kafka-python's ``commit_transaction``, ``abort_transaction`` and
+        ``send_offsets_to_transaction`` wait without a limit; with a coordinator killed
+        mid-commit we saw workers wait forever. So this calls the transaction manager as
+        those methods do (kafka-python 3.0 internals) and bounds the wait.
         """
         result = getattr(self.producer._transaction_manager, step)(*args)
         self.producer._sender.wakeup()
@@ -129,7 +136,7 @@ class TransactionalPublisher:
         """Abort the open transaction; a producer that cannot (its state is fatal) is replaced:
         the new one's ``init_transactions`` aborts it on the broker instead."""
         try:
-            self.producer.abort_transaction()
+            self._bounded("aborting", "begin_abort")
             return
         except FENCED as exc:
             raise ProducerFenced(str(exc)) from exc
@@ -139,11 +146,19 @@ class TransactionalPublisher:
     def _replace(self, cause: BaseException) -> None:
         """Close this producer and start another with the same ``transactional.id``."""
         log.warning("transaction failed (%s); starting a new producer", cause)
+        if self.producer is not None:
+            try:
+                self.producer.close(timeout=CLOSE_TIMEOUT_S)
+            except Exception:
+                log.exception("closing the failed transactional producer failed")
+            self.producer = None
         try:
-            self.producer.close(timeout=5)
-        except Exception:
-            log.exception("closing the failed transactional producer failed")
-        self.producer = self._start()
+            self.producer = self._start()
+        except ProducerFenced:
+            raise
+        except Exception as exc:  # no coordinator yet, say: the batch is retried, and so is this
+            raise TransactionAborted(f"no new producer yet: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
-        self.producer.close()
+        if self.producer is not None:
+            self.producer.close(timeout=CLOSE_TIMEOUT_S)

@@ -105,6 +105,15 @@ class Worker:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 
+    def stacks(self) -> str:
+        """Every thread's stack (SIGUSR1, faulthandler), for a failure message."""
+        if self.process.poll() is not None:
+            return f"(exited {self.process.returncode})"
+        start = self.log_path.stat().st_size
+        self.process.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        return self.log_path.read_bytes()[start:].decode(errors="replace")[-6000:]
+
 
 class Events:
     """Produces events (keyed by user) and remembers each one's partition and offset."""
@@ -698,7 +707,11 @@ def _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, guarantee: 
         next(node for node in kafka_cluster.nodes if node.node_id == leader).kill()
         time.sleep(10.0)  # the stream goes on with one node down
         stream.stop()
-        answers.wait_answered(list(sent.sent), 240)
+        try:
+            answers.wait_answered(list(sent.sent), 240)
+        except AssertionError as failure:  # a stuck worker says where it is stuck
+            stacks = "\n".join(f"--- worker{n}:\n{w.stacks()}" for n, w in enumerate(workers))
+            raise AssertionError(f"{failure}\n{stacks}") from None
         wait_for(lambda: stored(home, sent.sent) == len(sent.sent), 120, "every event stored")
         alive = [p.process.poll() is None for p in (ingest, *workers)]
         assert all(alive), "\n".join(w.log()[-2000:] for w in workers)

@@ -668,6 +668,9 @@ class FakeTransactionalProducer(FakeProducer):
             def begin_commit(self):
                 return Answered(producer.commit_transaction)
 
+            def begin_abort(self):
+                return Answered(producer.abort_transaction)
+
             def send_offsets_to_transaction(self, offsets, group_metadata):
                 return Answered(
                     lambda: producer.send_offsets_to_transaction(offsets, group_metadata)
@@ -810,3 +813,56 @@ def test_a_transaction_without_an_answer_is_abandoned_and_the_producer_replaced(
     with pytest.raises(TransactionAborted, match="no answer within"):
         publisher.publish("t", [], {}, None)
     assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
+
+
+def unanswered(*_args):
+    return type("Unanswered", (), {"wait": lambda self, timeout_ms=None: False})()
+
+
+def test_an_abort_without_an_answer_is_abandoned_and_the_producer_replaced() -> None:
+    class DeadCoordinator(FakeTransactionalProducer):  # the send failed, then its abort hangs
+        def send(self, topic, key, value):
+            raise kafka_errors.KafkaTimeoutError("no partition leader")
+
+        @property
+        def _transaction_manager(self):
+            return type("Manager", (), {"begin_abort": unanswered})()
+
+    made: list = []
+
+    def factory():
+        made.append(DeadCoordinator() if not made else FakeTransactionalProducer())
+        return made[-1]
+
+    publisher = TransactionalPublisher(factory, timeout_s=0.01)
+    with pytest.raises(TransactionAborted, match="KafkaTimeoutError"):
+        publisher.publish("t", [(b"k", b"{}")], {}, None)
+    assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
+
+
+def test_a_replacement_that_cannot_start_is_retried_on_the_next_batch() -> None:
+    """No coordinator yet: the new producer's init_transactions times out. The batch is
+    aborted (served again), not a crash, and the next publish starts a producer first."""
+
+    class Silent(FakeTransactionalProducer):
+        @property
+        def _transaction_manager(self):
+            return type("Manager", (), {"begin_commit": unanswered})()
+
+    class NoCoordinator(FakeTransactionalProducer):
+        def init_transactions(self):
+            raise kafka_errors.KafkaTimeoutError("Timeout expired while initializing")
+
+    made: list = []
+
+    def factory():
+        kinds = [Silent, NoCoordinator, FakeTransactionalProducer]
+        made.append(kinds[min(len(made), 2)]())
+        return made[-1]
+
+    publisher = TransactionalPublisher(factory, timeout_s=0.01)
+    with pytest.raises(TransactionAborted, match="no new producer yet"):
+        publisher.publish("t", [], {}, None)
+    assert publisher.producer is None and made[1].closed
+    publisher.publish("t", [], {}, None)  # starts the third producer, then commits
+    assert publisher.producer is made[2] and made[2].log == ["init", "begin", "commit"]
