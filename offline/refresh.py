@@ -256,20 +256,20 @@ def precompute_prefix_kv(
     kv_version: int,
     cutoff_row: int,
     reuse_from: int | None = None,
+    budget_order: str = "newest_first",
 ) -> dict[str, Any]:
     """The refresh's prefix-KV step alone, into ``store`` (``genrec bench prefix-kv``): the
     users ``settings.refresh`` chooses up to ``cutoff_row``, computed or linked from
-    budget_order: str = "newest_first",
     ``reuse_from``; returns the run's ``kv`` counts. Takes no lock and activates nothing.
     ``budget_order="user_id"`` fills a budget in user-id order instead of newest first
     (the bench's baseline; the refresh itself always goes newest first)."""
     if budget_order not in ("newest_first", "user_id"):
         raise ValueError(f"budget_order: newest_first or user_id, got {budget_order!r}")
     run = _Run(settings, engine, store, None, _NoLock())
+    run.budget_order = budget_order
     run._precompute_kv(models, kv_version, cutoff_row, reuse_from)
     return run.counts["kv"]
 
-    run.budget_order = budget_order
 
 class _NoLock:
     lost = threading.Event()  # never set: nothing can take over a run that holds no lock
