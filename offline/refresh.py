@@ -282,10 +282,10 @@ class _Run:
         self.counts: dict[str, Any] = {"step_seconds": {}}
         self.cancel = threading.Event()
         self.activated = False
+        self.budget_order = "newest_first"  # "user_id": only the bench's baseline
 
     def execute(self, trigger: str, cancel: threading.Event) -> RefreshReport:
         self.cancel = cancel
-        self.budget_order = "newest_first"  # "user_id": only the bench's baseline
         _recover_abandoned(self.engine)
         previous = active_serving_version(self.engine)
         cutoff_row = _event_cutoff_row(self.engine)
