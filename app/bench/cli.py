@@ -2,12 +2,13 @@
 
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
-``bench load``.
+``bench load``, ``bench prefix-kv``.
 
 Example::
 
     $ genrec bench decode --ks 10 --batch-sizes 1,8
     $ genrec bench load --workers 1,2
+    $ genrec bench prefix-kv --next-days 7
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from genrec.infra.settings import CompileMode, DecodeDtype, get_settings
 
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
-    """Add ``genrec bench ingest``, ``bench serve``, ``bench decode`` and ``bench load``."""
+    """Add ``genrec bench ingest``, ``bench serve``, ``bench decode``, ``bench load`` and
+    ``bench prefix-kv``."""
     bench = groups.group("bench", "Benchmarks that measure side by side and print ratios")
     bench_ingest = bench.add_parser(
         "ingest",
@@ -106,6 +108,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     decode.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
     decode.set_defaults(handler=_bench_decode)
     _register_load(bench)
+    _register_prefix_kv(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +169,88 @@ def _register_load(bench: argparse._SubParsersAction) -> None:
         help="keep the JSON's phases of other worker counts (e.g. a --no-start run per count)",
     )  # fmt: skip
     load.set_defaults(handler=_bench_load)
+
+
+def _register_prefix_kv(bench: argparse._SubParsersAction) -> None:
+    prefix_kv = bench.add_parser(
+        "prefix-kv", help="share of requests served from a prefix under KV budgets",
+        description="Cut the store --next-days before its newest event, run the refresh's "
+        "prefix-KV step up to there (unlimited float32, unlimited float16, then budgets of "
+        "--budgets x the float16 bytes, newest first and by user id) into a temporary KV "
+        "store, replay the events after the cutoff and print the share whose user has a "
+        "cache; write JSON and a PNG of coverage vs budget. The store is only read.",
+    )  # fmt: skip
+    prefix_kv.add_argument(
+        "--data-dir", type=Path, default=None,
+        help="a store folder (genrec.db and its artifacts; default: the demo's, "
+        "DATA_DIR/demo, when it exists, else the configured store)",
+    )  # fmt: skip
+    prefix_kv.add_argument(
+        "--ml100k", action="store_true",
+        help="MovieLens-100K ingested into a temporary store, random --preset models",
+    )  # fmt: skip
+    prefix_kv.add_argument("--next-days", type=float, default=7.0, help="days replayed")
+    prefix_kv.add_argument(
+        "--budgets", default="0.5,0.25,0.1",
+        help="budgets as shares of the unlimited float16 bytes, comma-separated",
+    )  # fmt: skip
+    prefix_kv.add_argument(
+        "--random", action="store_true", help="random --preset models even if one is trained"
+    )
+    prefix_kv.add_argument("--preset", default="small", help="preset of random models")
+    prefix_kv.add_argument(
+        "--history-items", type=int, default=None, help="H of random models (default: settings)"
+    )
+    prefix_kv.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: refresh.torch_threads)"
+    )
+    prefix_kv.add_argument("--out", type=Path, default=None, help="default: var/bench/prefix-kv")
+    prefix_kv.set_defaults(handler=_bench_prefix_kv)
+
+
+def _bench_prefix_kv(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from genrec.app.bench.prefix_kv import (
+        bench_models,
+        ml100k_store,
+        print_report,
+        run_prefix_kv_bench,
+        write_outputs,
+    )
+    from genrec.infra.database import make_engine
+
+    settings = get_settings()
+    torch.set_num_threads(args.threads or settings.refresh.torch_threads)
+    fractions = [float(f) for f in args.budgets.split(",") if f.strip()]
+    if not fractions or not all(0 < f < 1 for f in fractions):
+        raise UserFacingError("--budgets: shares between 0 and 1, e.g. 0.5,0.25,0.1")
+    out_dir = args.out or settings.path("bench", "prefix-kv")
+    with tempfile.TemporaryDirectory(prefix="genrec-bench-store-") as scratch:
+        store = Path(scratch) if args.ml100k else args.data_dir
+        if store is None and (settings.data_dir / "demo" / "genrec.db").exists():
+            store = settings.data_dir / "demo"
+        if store is not None:
+            settings = settings.model_copy(update={
+                "data_dir": store.resolve(), "database_url": f"sqlite:///{store / 'genrec.db'}"})  # fmt: skip
+        engine = ml100k_store(store) if args.ml100k else make_engine(str(settings.database_url))
+        history_items = args.history_items or settings.model.history_items
+        models, source = bench_models(
+            settings, engine, args.preset, history_items, args.random or args.ml100k
+        )
+        try:
+            report = run_prefix_kv_bench(settings, engine, models, next_days=args.next_days,
+                                         budget_fractions=fractions, source=source)  # fmt: skip
+        except ValueError as exc:  # an empty store, no event in the window
+            raise UserFacingError(str(exc)) from exc
+        finally:
+            engine.dispose()
+    print_report(report)
+    json_path, png_path = write_outputs(report, out_dir)
+    print(f"prefix-kv: wrote {json_path} and {png_path}")
+    return 0
 
 
 def _bench_decode(args: argparse.Namespace) -> int:
