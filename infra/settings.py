@@ -364,6 +364,35 @@ class RecallSettings(BaseModel):
     artifacts_dir: Path | None = None  # default: data_dir / "recall" (one folder per branch)
 
 
+class OfflineSettings(BaseModel):
+    """Where the offline steps that fan out run (``offline/executor.py``, docs/offline-refresh.md).
+
+    ``local``: in this process, as always (no Ray needed). ``ray``: item embedding, the
+    prefix-KV precompute, teacher data for draft alignment and the generative ranking of
+    ``genrec eval`` run as pages of work on Ray actors that hold the step's model, with
+    the same results item for item (``pip install genrec[ray]``).
+    """
+
+    executor: Literal["local", "ray"] = "local"
+    # None: start a local Ray inside this process (tests, a laptop); "auto": the cluster
+    # this host joined with `ray start`; "ray://head:10001": a remote one through Ray Client.
+    ray_address: str | None = None
+    ray_namespace: str = "genrec"
+    local_cpus: int | None = Field(default=None, ge=1)  # of a local Ray it starts; None: all
+    local_object_store_mb: int | None = Field(default=None, ge=64)  # None: Ray's default
+    # Actors per step; None: one per GPU of the cluster, else its CPUs / cpus_per_actor.
+    actors: int | None = Field(default=None, ge=1)
+    cpus_per_actor: float = Field(default=1.0, gt=0)
+    gpus_per_actor: float | None = Field(default=None, ge=0)  # None: 1 where the cluster has GPUs
+    # torch threads in an actor; None: the step's own setting, as the local executor uses
+    # (the same threads give the same bits on a CPU).
+    actor_torch_threads: int | None = Field(default=None, ge=1)
+    # Pages submitted but not yet collected (memory: O(this x page size)); None: 2 x actors.
+    max_in_flight: int | None = Field(default=None, ge=1)
+    # Restarts of an actor whose process died and retries of its pages; then the step fails.
+    max_retries: int = Field(default=3, ge=0)
+
+
 class UiSettings(BaseModel):
     """The read-only explorer ``genrec ui``: where it listens and what it reads."""
 
@@ -409,6 +438,7 @@ class Settings(BaseSettings):
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
     ui: UiSettings = Field(default_factory=UiSettings)
+    offline: OfflineSettings = Field(default_factory=OfflineSettings)
 
     @field_validator("log_levels")
     @classmethod

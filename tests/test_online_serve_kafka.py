@@ -45,6 +45,7 @@ from tests.helpers import SERVING_USERS, fresh_kafka, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(400)]
 
 GENREC = Path(sys.executable).parent / "genrec"
+EXACTLY_ONCE = {"PROCESSING_GUARANTEE": "exactly_once"}
 CACHED_USERS = [str(u) for u in range(1, SERVING_USERS + 1)]  # every one has a prefix KV
 
 
@@ -384,45 +385,13 @@ def test_sigterm_drains_the_batch_in_hand_and_commits(serving_home, kafka_broker
     answers.close()
 
 
-def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
+def _kill_a_worker_mid_stream(
+    serving_home, kafka_broker, tmp_path, **options: str
+) -> tuple[Recommendations, set[str]]:
+    """A worker killed (-9) mid-stream while events keep coming, and a second one (same
+    ``options``, so the same instance id) started in its place; returns the answers once
+    every event sent is answered, read up to the end, and the event ids sent."""
     kafka, group, sent, answers = fresh_stream(kafka_broker)
-    first = Worker(serving_home, kafka, group, tmp_path / "first.log")
-    second = None
-    stream = EventStream(sent, rate=30)
-    try:
-        first.wait_healthy()
-        stream.start()
-        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
-        assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # events keep coming meanwhile
-        second = Worker(serving_home, kafka, group, tmp_path / "second.log")
-        second.wait_healthy()
-        time.sleep(2.0)
-        stream.stop()
-        answers.wait_answered(list(sent.sent), 180, second)
-        assert second.stop(signal.SIGTERM) == 0, second.log()
-    finally:
-        stream.halt.set()
-        first.stop(signal.SIGKILL)
-        if second is not None:
-            second.stop(signal.SIGKILL)
-        sent.close()
-    counts = answers.answers()
-    assert set(counts) == set(sent.sent)  # at-least-once: every event answered
-    by_request: dict[str, set] = {}
-    for message in answers.messages:  # a repeated answer is the same request again
-        by_request.setdefault(message.request_id, set()).add(message.user_id)
-    assert all(len(users) == 1 for users in by_request.values())
-    twice = sorted(e for e, n in counts.items() if n > 1)
-    print(f"{len(sent.sent)} events, {len(answers.messages)} answers, "
-          f"{len(twice)} answered twice (between the killed worker's publish and commit)")  # fmt: skip
-    answers.close()
-
-
-def test_exactly_once_kill_9_answers_every_event_once(serving_home, kafka_broker, tmp_path) -> None:
-    """Transactions: a worker killed mid-stream leaves nothing visible twice to a
-    read_committed consumer; its restart (same instance id) fences what it left open."""
-    kafka, group, sent, answers = fresh_stream(kafka_broker)
-    options = {"PROCESSING_GUARANTEE": "exactly_once", "INSTANCE_ID": "w1"}
     first = Worker(serving_home, kafka, group, tmp_path / "first.log", **options)
     second = None
     stream = EventStream(sent, rate=30)
@@ -445,9 +414,31 @@ def test_exactly_once_kill_9_answers_every_event_once(serving_home, kafka_broker
         sent.close()
     for _ in range(5):
         answers.poll()
-    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
-    assert len({m.request_id for m in answers.messages}) == len(answers.messages)
     answers.close()
+    return answers, set(sent.sent)
+
+
+def test_kill_9_loses_no_request(serving_home, kafka_broker, tmp_path) -> None:
+    answers, sent = _kill_a_worker_mid_stream(serving_home, kafka_broker, tmp_path)
+    counts = answers.answers()
+    assert set(counts) == sent  # at-least-once: every event answered
+    by_request: dict[str, set] = {}
+    for message in answers.messages:  # a repeated answer is the same request again
+        by_request.setdefault(message.request_id, set()).add(message.user_id)
+    assert all(len(users) == 1 for users in by_request.values())
+    twice = sorted(e for e, n in counts.items() if n > 1)
+    print(f"{len(sent)} events, {len(answers.messages)} answers, "
+          f"{len(twice)} answered twice (between the killed worker's publish and commit)")  # fmt: skip
+
+
+def test_exactly_once_kill_9_answers_every_event_once(serving_home, kafka_broker, tmp_path) -> None:
+    """Transactions: a worker killed mid-stream leaves nothing visible twice to a
+    read_committed consumer; its restart (same instance id) fences what it left open."""
+    answers, sent = _kill_a_worker_mid_stream(
+        serving_home, kafka_broker, tmp_path, **EXACTLY_ONCE, INSTANCE_ID="w1"
+    )
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent})
+    assert len({m.request_id for m in answers.messages}) == len(answers.messages)
 
 
 def test_a_broker_restart_loses_no_request(serving_home, stoppable_kafka_broker, tmp_path) -> None:
@@ -571,8 +562,6 @@ def test_two_workers_split_the_partitions_and_answer_each_event_once(
 
 # --- a three-node cluster (issue #21): exactly once through worker and broker failures ------
 
-EXACTLY_ONCE = {"PROCESSING_GUARANTEE": "exactly_once"}
-
 
 class Ingest:
     """One `genrec ingest` subprocess writing the test's events into ``home``'s store."""
@@ -611,32 +600,10 @@ def stored(home: Path, event_ids) -> int:
 
 
 def test_cluster_exactly_once_kill_9_of_a_worker(serving_home, kafka_cluster, tmp_path) -> None:
-    kafka, group, sent, answers = fresh_stream(kafka_cluster)
-    options = {**EXACTLY_ONCE, "INSTANCE_ID": "w1"}
-    first = Worker(serving_home, kafka, group, tmp_path / "first.log", **options)
-    second = None
-    stream = EventStream(sent, rate=30)
-    try:
-        first.wait_healthy()
-        stream.start()
-        wait_for(lambda: len(answers.poll()) >= 20, 120, "the first answers")
-        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
-        second = Worker(serving_home, kafka, group, tmp_path / "second.log", **options)
-        second.wait_healthy()
-        time.sleep(2.0)
-        stream.stop()
-        answers.wait_answered(list(sent.sent), 180, second)
-        assert second.stop(signal.SIGTERM) == 0, second.log()
-    finally:
-        stream.halt.set()
-        first.stop(signal.SIGKILL)
-        if second is not None:
-            second.stop(signal.SIGKILL)
-        sent.close()
-    for _ in range(5):
-        answers.poll()
-    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
-    answers.close()
+    answers, sent = _kill_a_worker_mid_stream(
+        serving_home, kafka_cluster, tmp_path, **EXACTLY_ONCE, INSTANCE_ID="w1"
+    )
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent})
 
 
 def test_cluster_a_paused_worker_is_fenced_and_nothing_is_published_twice(
