@@ -364,6 +364,22 @@ class RecallSettings(BaseModel):
     artifacts_dir: Path | None = None  # default: data_dir / "recall" (one folder per branch)
 
 
+class ArtifactSettings(BaseModel):
+    """Where ``genrec serve`` gets a serving version's model and recall files (artifacts).
+
+    ``local``: where the database names them, under the refresh's data directory (one
+    shared volume). ``database``: the refresh publishes each version's files into the
+    behavior store's database as content-addressed chunks before activating it, and each
+    worker fetches the files it lacks into ``cache_dir`` (docs/deployment.md).
+    """
+
+    store: Literal["local", "database"] = "local"
+    chunk_mb: float = Field(default=4.0, gt=0, le=256)  # bytes per stored chunk, in MiB
+    cache_dir: Path | None = None  # default: data_dir / "artifact_cache"
+    cache_versions: int = Field(default=2, ge=1)  # versions a worker's cache keeps
+    fetch_attempts: int = Field(default=3, ge=1)  # per file; a corrupt download is retried
+
+
 class OfflineSettings(BaseModel):
     """Where the offline steps that fan out run (``offline/executor.py``, docs/offline-refresh.md).
 
@@ -439,6 +455,7 @@ class Settings(BaseSettings):
     model: ModelSettings = Field(default_factory=ModelSettings)
     ui: UiSettings = Field(default_factory=UiSettings)
     offline: OfflineSettings = Field(default_factory=OfflineSettings)
+    artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)
 
     @field_validator("log_levels")
     @classmethod

@@ -8,7 +8,9 @@ pins (a worker may still serve the previous one for a few seconds, and it is
 the rollback target), plus the active model and semantic-ID versions and
 anything newer than those, and collects what is older: the artifact folder is
 deleted, the row stays (status ``collected``) as the history of what ran, and
-a semantic-ID version's item rows are deleted.
+a semantic-ID version's item rows are deleted. Where the refresh publishes artifacts into
+the database (``artifacts.store = database``), ``collect_published_artifacts`` deletes the
+file lists of serving versions that are not kept and every blob no kept version uses.
 
 Example::
 
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, delete, select, update
 
+from genrec.infra.artifact_store import collect_published
 from genrec.schemas.tables import (
     model_versions,
     semantic_id_items,
@@ -61,6 +64,13 @@ def collect_old_versions(engine: Engine, keep_serving: Iterable[int]) -> dict[st
     if any(counts.values()):
         log.info("collected %s", counts)
     return counts
+
+
+def collect_published_artifacts(engine: Engine, keep_serving: Iterable[int]) -> dict[str, int]:
+    """Delete the published files (``artifacts.store = database``) of serving versions not
+    in ``keep_serving``, and the blobs only they used; run, like the rest, after activation
+    under the refresh lock (a blob published by a run in flight would look unused)."""
+    return collect_published(engine, keep_serving)
 
 
 def _collectable(engine: Engine, table, below: int) -> list:

@@ -12,8 +12,10 @@ A run, under the cross-process lock ``offline-refresh``:
    version, reusing last version's file where model and prompt are unchanged; under
    ``refresh.kv_budget_mb`` users are taken newest first until the next one would not
    fit (``KVBudget``),
-5. activates the new serving version (semantic-ID, model, KV versions) in one
-   database transaction, then garbage-collects old KV versions.
+5. with ``artifacts.store = database``, publishes the version's model and recall files
+   into the database (``genrec.online.serving_artifacts``) for workers on other hosts,
+6. activates the new serving version (semantic-ID, model, KV versions) in one
+   database transaction, then garbage-collects old KV versions (and published files).
 
 Failure at any point (exception, SIGTERM, kill -9) leaves the previous version
 serving: the new KV version is only reachable through the serving version,
@@ -60,7 +62,7 @@ from genrec.ingest.history import (
     load_histories_until,
     users_newest_first,
 )
-from genrec.offline.artifact_gc import collect_old_versions
+from genrec.offline.artifact_gc import collect_old_versions, collect_published_artifacts
 from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.run_lock import RunLock
 from genrec.online.prefix_kv_store import (
@@ -70,6 +72,7 @@ from genrec.online.prefix_kv_store import (
     open_kv_store,
 )
 from genrec.online.prompts import history_prompt
+from genrec.online.serving_artifacts import publish_serving_version
 from genrec.schemas.tables import events, items, job_runs, serving_versions
 
 if TYPE_CHECKING:
@@ -341,6 +344,9 @@ class _Run:
             )
         if refresh.recall:
             self._step("recall", lambda: self.steps.fit_recall(self.settings, self.engine))
+        if self.settings.artifacts.store != "local":  # workers without the data directory
+            self.counts["artifacts"] = self._step("publish", lambda: publish_serving_version(
+                self.settings, self.engine, version, model_version))  # fmt: skip
         self._step("activate", lambda: self._activate(
             job_run_id, version, semantic_id_version, model_version))  # fmt: skip
         return RefreshReport(job_run_id, version, semantic_id_version, model_version, version,
@@ -501,6 +507,8 @@ class _Run:
             keep = recent_activated_versions(self.engine, self.settings.refresh.keep_versions)
             report.counts["kv_versions_removed"] = self.store.garbage_collect(keep)
             report.counts.update(collect_old_versions(self.engine, keep))
+            if self.settings.artifacts.store != "local":
+                report.counts.update(collect_published_artifacts(self.engine, keep))
             if "kv" in report.counts and hasattr(self.store, "user_sizes"):
                 plot = _plot_kv_sizes(self.store, report.kv_version, self.settings)
                 report.counts["kv_size_plot"] = str(plot)

@@ -32,6 +32,7 @@ from genrec.infra.serving_versions import ServingVersion, active_serving_version
 from genrec.online.branches import RecallBranch, load_branch
 from genrec.online.prefix_kv_store import open_kv_store
 from genrec.online.recommender import ModelDecoder
+from genrec.online.serving_artifacts import resolve_serving_artifacts
 from genrec.schemas.tables import serving_versions
 
 if TYPE_CHECKING:
@@ -178,7 +179,8 @@ def serving_version_row(engine: Engine, key: str):
 
 def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     """Load serving version ``key``: the model version it pins (target, drafts and the
-    semantic IDs they were trained on), its prefix-KV version and the recall branches.
+    semantic IDs they were trained on), its prefix-KV version and the recall branches,
+    read from this worker's fetched copy where ``artifacts.store`` publishes them.
 
     The model is loaded BY VERSION, not as "the active model": training activates a new
     model version before the refresh activates the serving version that pins it.
@@ -190,7 +192,10 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
     pinned = serving_version_row(engine, key)
     if pinned.model_version is None:
         raise RuntimeError(f"serving version {key} pins no model version")
-    models = load_model_version(settings, engine, version=int(pinned.model_version))
+    artifacts = resolve_serving_artifacts(settings, engine, pinned)  # fetched if published
+    models = load_model_version(
+        settings, engine, version=int(pinned.model_version), folder=artifacts.model_dir
+    )
     models.target.eval()
     for draft in models.drafts.values():
         draft.eval()
@@ -200,7 +205,7 @@ def load_serving_bundle(settings, engine: Engine, key: str) -> ServingBundle:
         decoder=ModelDecoder(models, settings.online),
         kv_store=open_kv_store(settings, engine) if pinned.kv_version is not None else None,
         kv_version=pinned.kv_version,
-        branches=load_branches(settings, settings.online.branches),
+        branches=load_branches(settings, settings.online.branches, artifacts.recall_root),
         model_version=str(models.version),
         semantic_id_version=pinned.semantic_id_version or models.semantic_id_version,
     )

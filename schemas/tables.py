@@ -17,6 +17,7 @@ from sqlalchemy import (
     Float,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -180,6 +181,39 @@ prefix_kv_index = Table(
     Column("nbytes", BigInteger, nullable=False),
     Column("path", Text, nullable=False),  # relative to the backend's root
     Column("prompt_sha1", String(40), nullable=True),  # lets the next run reuse unchanged entries
+)
+
+# --- published artifacts (artifacts.store = database) -------------------------
+
+# Which files make up one serving version, by path inside the version (model/..., recall/...).
+# All of a version's rows are inserted in one transaction after its blobs are complete.
+artifact_files = Table(
+    "artifact_files",
+    metadata,
+    Column("version", BigInteger, primary_key=True),  # serving_versions.version
+    Column("path", Text, primary_key=True),
+    Column("sha256", String(64), nullable=False),
+    Column("size", BigInteger, nullable=False),
+)
+Index("ix_artifact_files_sha256", artifact_files.c.sha256)  # garbage collection's orphan check
+
+# One row per distinct file content, inserted with its chunks in one transaction: a blob
+# row exists only once all its chunks do. Files equal across versions share one blob.
+artifact_blobs = Table(
+    "artifact_blobs",
+    metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    Column("chunks", Integer, nullable=False),
+    Column("created_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+)
+
+artifact_chunks = Table(
+    "artifact_chunks",
+    metadata,
+    Column("sha256", String(64), primary_key=True),
+    Column("seq", Integer, primary_key=True),  # 0, 1, ...: the blob is their concatenation
+    Column("data", LargeBinary, nullable=False),  # artifacts.chunk_mb at most
 )
 
 # Cross-process mutual exclusion with a lease: a killed holder's lease simply expires.

@@ -178,9 +178,16 @@ def active_model_row(engine: Engine):
 
 
 def load_model_version(
-    settings, engine: Engine, version: int | None = None, device: torch.device | str | None = None
+    settings,
+    engine: Engine,
+    version: int | None = None,
+    device: torch.device | str | None = None,
+    folder: Path | None = None,
 ) -> GenerativeModels:
-    """A saved version (default: the active one) as ``GenerativeModels``, in eval mode."""
+    """A saved version (default: the active one) as ``GenerativeModels``, in eval mode.
+
+    ``folder``: a copy of the version's artifact folder to read instead of the one its row
+    names (a worker's fetched copy, ``genrec.online.serving_artifacts``)."""
     with engine.connect() as connection:
         query = select(model_versions)
         if version is None:
@@ -193,7 +200,8 @@ def load_model_version(
         raise NoActiveModels(f"no {what}: run `genrec offline train` first")
     if row.status not in ("active", "complete", "retired"):
         raise NoActiveModels(f"model version {row.version} is {row.status}, not complete")
-    models = load_model_folder(Path(row.artifact_dir), device, version=int(row.version))
+    folder = Path(folder) if folder is not None else Path(row.artifact_dir)
+    models = load_model_folder(folder, device, version=int(row.version))
     models.beam_width = settings.model.beam_width
     return models
 
