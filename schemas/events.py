@@ -29,7 +29,7 @@ import base64
 import math
 import time
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -55,15 +55,6 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 # Reasons a message is dead-lettered, most fundamental first: when a message has
 # several problems, the first one in this order is the one reported.
-REJECT_REASONS = (
-    "too_large",
-    "not_utf8",
-    "not_json",
-    "missing_id",
-    "bad_timestamp",
-    "unknown_event_type",
-    "schema_violation",
-)
 RejectReason = Literal[
     "too_large",
     "not_utf8",
@@ -73,6 +64,7 @@ RejectReason = Literal[
     "unknown_event_type",
     "schema_violation",
 ]
+REJECT_REASONS: tuple[str, ...] = get_args(RejectReason)
 
 
 def parse_timestamp_ms(value: Any) -> int:
