@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,11 +75,16 @@ class ServingVersions:
         probe: Callable[[], str | None],
         load: Callable[[str], ServingBundle],
         poll_s: float = 5.0,
+        retry_failed_s: float = 60.0,
     ) -> None:
+        """``retry_failed_s``: how long a version whose load failed is left alone before it
+        is tried again (a fetch of its artifacts may have failed for a passing reason)."""
         self.probe, self.load, self.poll_s = probe, load, poll_s
+        self.retry_failed_s = retry_failed_s
         self._current: ServingBundle | None = None
         self._pending: ServingBundle | None = None
         self._failed_key: str | None = None
+        self._failed_at = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -109,7 +115,9 @@ class ServingVersions:
         """Probe once and, if a new version is active, load it as pending. True if one was."""
         key = self.probe()
         with self._lock:
-            known = {self._current.key if self._current else None, self._failed_key}
+            known = {self._current.key if self._current else None}
+            if time.monotonic() - self._failed_at < self.retry_failed_s:
+                known.add(self._failed_key)
             if self._pending is not None:
                 known.add(self._pending.key)
         if key is None or key in known:
@@ -120,7 +128,7 @@ class ServingVersions:
         except Exception:
             log.exception("loading serving version %s failed; keeping the current one", key)
             metrics.ERRORS.labels(component="online", kind="version_load").inc()
-            self._failed_key = key
+            self._failed_key, self._failed_at = key, time.monotonic()
             return False
         with self._lock:
             self._pending = bundle

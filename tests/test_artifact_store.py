@@ -269,3 +269,25 @@ def test_the_refresh_publishes_before_it_activates_and_collects_after(tmp_path: 
     assert (artifacts.model_dir / "target" / "config.json").read_bytes() == b'{"a": 1}'
     assert (artifacts.recall_root / "itemcf" / "arrays.npz").read_bytes() == b"z"
     assert artifacts.recall_root.name == RECALL
+
+
+def test_a_version_whose_load_failed_is_tried_again_later() -> None:
+    """A failed fetch (the database briefly away) does not skip the version for good."""
+    from genrec.online.live_version import ServingBundle, ServingVersions
+
+    attempts = []
+
+    def load(key: str) -> ServingBundle:
+        attempts.append(key)
+        if key == "2" and attempts.count("2") == 1:
+            raise OSError("connection reset while fetching artifacts")
+        return ServingBundle(key)
+
+    active = {"key": "1"}
+    versions = ServingVersions(lambda: active["key"], load, retry_failed_s=0.2)
+    versions.start(background=False)
+    active["key"] = "2"
+    assert not versions.check_now() and not versions.check_now()  # failed, then left alone
+    time.sleep(0.25)
+    assert versions.check_now() and versions.current().key == "2"
+    assert attempts == ["1", "2", "2"]
