@@ -107,12 +107,13 @@ ACCEPTANCE_RATE = Histogram(
 FALLBACKS = Counter(
     "genrec_fallbacks_total",
     "Requests served on a degraded path.",
-    ["reason"],  # no_prefix_kv|target_only|generative_error|branch_error|empty_history
+    # no_prefix_kv|kv_store_unavailable|target_only|generative_error|branch_error|empty_history
+    ["reason"],
 )
 PREFIX_KV_LOOKUPS = Counter(
     "genrec_prefix_kv_lookups_total",
     "Prefix KV lookups by where they were answered.",
-    ["result"],  # memory|store|miss
+    ["result"],  # memory|store|miss|unavailable (the KV store unreachable: served from the prompt)
 )
 SERVING_VERSION = Gauge(
     "genrec_serving_version_info",

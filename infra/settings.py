@@ -143,6 +143,10 @@ class OnlineSettings(BaseModel):
     # (docs/online.md). Meant for decoding that waits on kernels (a large model, a GPU).
     decode_thread: bool = False
     max_poll_records: int = Field(default=500, ge=1)
+    # Where the per-user prefix KV caches live: "local" (files under refresh.kv_dir, an
+    # index in the database) or "redis" (the shared tier of several hosts; section
+    # `redis`). The refresh writes and the workers read the same backend.
+    kv_store: Literal["local", "redis"] = "local"
     prefix_kv_lru_size: int = Field(default=2048, ge=0)  # prefix KVs kept in memory
     prefix_kv_lru_mb: float = Field(default=2048.0, gt=0)  # ... and at most this much of them
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
@@ -303,8 +307,7 @@ class RefreshSettings(BaseModel):
     precompute_kv: bool = True
     recall: bool = True  # refit popularity / item-CF / ANN into recall.artifacts_dir
     # Prefix KV store.
-    kv_backend: Literal["local"] = "local"
-    kv_dir: Path | None = None  # default: data_dir / "prefix_kv"
+    kv_dir: Path | None = None  # local backend (online.kv_store): default data_dir / "prefix_kv"
     kv_batch_size: int = 16
     reuse_unchanged_kv: bool = True  # same model and same prompt tokens: link the old file
     active_days: float | None = None  # users with an event this recent (None: every user)
@@ -324,6 +327,34 @@ class RefreshSettings(BaseModel):
     # Cross-process run lock.
     lock_lease_s: float = 120.0
     torch_threads: int = 2
+
+
+class RedisSettings(BaseModel):
+    """The Redis server of the shared prefix-KV tier (``online.kv_store = "redis"``).
+
+    AUTH (``username``/``password``) and TLS come from here; the password is a secret and
+    never logged. Reads time out fast: a worker that cannot reach Redis serves from the
+    prompt and tries again after ``retry_after_s``; the refresh's writes wait longer.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=6379, ge=1, le=65535)
+    db: int = Field(default=0, ge=0)  # Redis Cluster has only db 0
+    cluster: bool = False  # a Redis Cluster: the client follows its slots
+    username: str | None = None  # an ACL user (Redis 6+); None: the default user
+    password: SecretStr | None = None
+    tls: bool = False
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None  # client certificate, when the server asks for one
+    tls_key_file: Path | None = None
+    tls_check_hostname: bool = True
+    key_prefix: str = "genrec:pkv"  # several deployments can share one Redis by prefix
+    socket_timeout_s: float = Field(default=0.25, gt=0)  # serving reads: fail fast
+    connect_timeout_s: float = Field(default=0.25, gt=0)
+    write_timeout_s: float = Field(default=30.0, gt=0)  # the refresh's writes and deletes
+    retries: int = Field(default=1, ge=0)  # per command, at once (a stale pooled connection)
+    retry_after_s: float = Field(default=1.0, ge=0)  # after a failure, skip Redis this long
+    write_batch: int = Field(default=500, ge=1)  # keys per pipeline when deleting a version
 
 
 class RecallSettings(BaseModel):
@@ -450,6 +481,7 @@ class Settings(BaseSettings):
     kafka_broker: KafkaBrokerSettings = Field(default_factory=KafkaBrokerSettings)
     refresh: RefreshSettings = Field(default_factory=RefreshSettings)
     online: OnlineSettings = Field(default_factory=OnlineSettings)
+    redis: RedisSettings = Field(default_factory=RedisSettings)
     recall: RecallSettings = Field(default_factory=RecallSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)

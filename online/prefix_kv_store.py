@@ -5,9 +5,15 @@ workers. A KV version is written completely *before* the serving version that
 names it is activated, and readers only look up the active version, so a
 half-written version is never seen. ``KVStore`` is the interface; the default
 backend keeps one safetensors file per user under a version directory and an
-index row per user in the database (``prefix_kv_index``). A shared backend
-(object store, shared filesystem) implements the same five methods and is
-registered in ``BACKENDS``.
+index row per user in the database (``prefix_kv_index``). ``online.kv_store =
+"redis"`` picks the shared tier of ``genrec.online.prefix_kv_redis`` (the same
+safetensors bytes as Redis values, the same index rows). Another backend implements
+the protocol and is registered in ``BACKENDS``.
+
+A worker reads a whole batch's caches at once (``load_many``: one database query and
+the files for the local backend, one pipelined round trip for Redis); a backend it
+cannot reach raises ``KVStoreUnavailable`` and the worker serves those users from
+their prompts.
 
 Layout of the local backend::
 
@@ -119,6 +125,15 @@ class PrefixKVEntry:
     prompt_sha1: str | None = None  # hash of the prompt tokens: lets the next refresh reuse it
 
 
+class KVStoreUnavailable(ConnectionError):
+    """The backend cannot be reached now (Redis down or slow); the caller serves without it."""
+
+
+# What ``load_many`` answers per user found: the entry and its PrefixKV, or why the
+# stored cache cannot be used (another model version, a damaged value).
+LoadedKV = tuple[PrefixKVEntry, PrefixKV] | Exception
+
+
 class KVStore(Protocol):
     def put_many(
         self, kv_version: int, entries_and_prefix_kvs: Iterable[tuple[PrefixKVEntry, PrefixKV]]
@@ -127,6 +142,17 @@ class KVStore(Protocol):
     def lookup(self, kv_version: int, user_id: str) -> PrefixKVEntry | None: ...
 
     def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV: ...
+
+    def lookup_many(self, kv_version: int, user_ids: Sequence[str]) -> dict[str, PrefixKVEntry]:
+        """Entries of the users that have one (absent: no cache)."""
+        ...
+
+    def load_many(
+        self, kv_version: int, user_ids: Sequence[str], expected_model_version: Any
+    ) -> dict[str, LoadedKV]:
+        """Each found user's ``(entry, PrefixKV)`` or the error that makes it unusable
+        (absent: no cache); raises ``KVStoreUnavailable`` when the backend is unreachable."""
+        ...
 
     def sizes(self, kv_version: int) -> dict[str, float]: ...
 
@@ -159,12 +185,106 @@ def version_dir_name(kv_version: int) -> str:
     return f"v{int(kv_version):06d}"
 
 
-class LocalDirKVStore:
+class IndexedKVStore:
+    """The ``prefix_kv_index`` half of a backend: one row per user and version in the
+    database, which the refresh reads (reuse, budget, sizes); a backend adds the bytes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def lookup(self, kv_version: int, user_id: str) -> PrefixKVEntry | None:
+        query = select(prefix_kv_index).where(
+            prefix_kv_index.c.kv_version == kv_version, prefix_kv_index.c.user_id == user_id
+        )
+        with self.engine.connect() as connection:
+            row = connection.execute(query).mappings().first()
+        return _entry(row) if row else None
+
+    def lookup_many(self, kv_version: int, user_ids: Sequence[str]) -> dict[str, PrefixKVEntry]:
+        return self.entries(kv_version, user_ids=user_ids)
+
+    def entries(
+        self,
+        kv_version: int,
+        user_range: tuple[str, str] | None = None,
+        *,
+        user_ids: Sequence[str] | None = None,
+    ) -> dict[str, PrefixKVEntry]:
+        """Users' entries of one version (the refresh compares them with the next run).
+
+        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order);
+        ``user_ids``: only these users (read ``IN_CHUNK`` at a time: a page of the refresh
+        can hold more users than a statement takes parameters).
+        """
+        query = select(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+        user_id = prefix_kv_index.c.user_id
+        if user_range is not None:
+            first, last = user_range
+            query = query.where(user_id >= first, user_id <= last)
+        chunks = [None] if user_ids is None else _chunks(list(user_ids), IN_CHUNK)
+        found: dict[str, PrefixKVEntry] = {}
+        with self.engine.connect() as connection:
+            for chunk in chunks:
+                part = query if chunk is None else query.where(user_id.in_(chunk))
+                found.update(
+                    (row["user_id"], _entry(row)) for row in connection.execute(part).mappings()
+                )
+        return found
+
+    def sizes(self, kv_version: int) -> dict[str, float]:
+        """Users, total bytes, mean/max bytes per user and mean tokens of one version."""
+        c = prefix_kv_index.c
+        query = select(
+            func.count(), func.sum(c.nbytes), func.avg(c.nbytes), func.max(c.nbytes),
+            func.avg(c.n_tokens),
+        ).where(c.kv_version == kv_version)  # fmt: skip
+        with self.engine.connect() as connection:
+            users, total, mean, largest, tokens = connection.execute(query).one()
+        return {
+            "users": int(users),
+            "total_bytes": int(total or 0),
+            "mean_bytes_per_user": float(mean or 0.0),
+            "max_bytes_per_user": int(largest or 0),
+            "mean_tokens_per_user": float(tokens or 0.0),
+        }
+
+    def user_sizes(self, kv_version: int) -> dict[str, int]:
+        """Bytes per user of one version."""
+        c = prefix_kv_index.c
+        query = select(c.user_id, c.nbytes).where(c.kv_version == kv_version)
+        with self.engine.connect() as connection:
+            return {user_id: int(nbytes) for user_id, nbytes in connection.execute(query)}
+
+    def _index(self, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            with self.engine.begin() as connection:
+                connection.execute(insert(prefix_kv_index), rows)
+
+    def _drop_index_except(self, keep: set[int]) -> set[int]:
+        """Delete the index rows of every version not in ``keep``; returns those versions."""
+        with self.engine.begin() as connection:
+            indexed = {
+                int(v)
+                for (v,) in connection.execute(select(prefix_kv_index.c.kv_version).distinct())
+            }
+            connection.execute(
+                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version.not_in(keep))
+            )
+        return indexed - keep
+
+    def _drop_index(self, kv_version: int) -> None:
+        with self.engine.begin() as connection:
+            connection.execute(
+                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
+            )
+
+
+class LocalDirKVStore(IndexedKVStore):
     """One file per user under ``root/vNNNNNN/``; an index row per user in the database."""
 
     def __init__(self, root: Path, engine: Engine, codec: PrefixKVCodec | None = None) -> None:
+        super().__init__(engine)
         self.root = Path(root)
-        self.engine = engine
         self.codec = codec or DecoderCodec()
 
     def relative_path(self, kv_version: int, user_id: str) -> str:
@@ -212,42 +332,6 @@ class LocalDirKVStore:
             rows.append(_row(new, relative, target.stat().st_size))
         self._index(rows)
 
-    def lookup(self, kv_version: int, user_id: str) -> PrefixKVEntry | None:
-        query = select(prefix_kv_index).where(
-            prefix_kv_index.c.kv_version == kv_version, prefix_kv_index.c.user_id == user_id
-        )
-        with self.engine.connect() as connection:
-            row = connection.execute(query).mappings().first()
-        return _entry(row) if row else None
-
-    def entries(
-        self,
-        kv_version: int,
-        user_range: tuple[str, str] | None = None,
-        *,
-        user_ids: Sequence[str] | None = None,
-    ) -> dict[str, PrefixKVEntry]:
-        """Users' entries of one version (the refresh compares them with the next run).
-
-        ``user_range``: only user ids from ``first`` to ``last`` (inclusive, database order);
-        ``user_ids``: only these users (read ``IN_CHUNK`` at a time: a page of the refresh
-        can hold more users than a statement takes parameters).
-        """
-        query = select(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
-        user_id = prefix_kv_index.c.user_id
-        if user_range is not None:
-            first, last = user_range
-            query = query.where(user_id >= first, user_id <= last)
-        chunks = [None] if user_ids is None else _chunks(list(user_ids), IN_CHUNK)
-        found: dict[str, PrefixKVEntry] = {}
-        with self.engine.connect() as connection:
-            for chunk in chunks:
-                part = query if chunk is None else query.where(user_id.in_(chunk))
-                found.update(
-                    (row["user_id"], _entry(row)) for row in connection.execute(part).mappings()
-                )
-        return found
-
     def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV:
         """The user's PrefixKV; the codec raises if it was computed by another model version.
 
@@ -258,29 +342,18 @@ class LocalDirKVStore:
             raise FileNotFoundError(f"prefix KV file of user {entry.user_id!r} is missing: {path}")
         return self.codec.load(path, str(expected_model_version))
 
-    def sizes(self, kv_version: int) -> dict[str, float]:
-        """Users, total bytes, mean/max bytes per user and mean tokens of one version."""
-        c = prefix_kv_index.c
-        query = select(
-            func.count(), func.sum(c.nbytes), func.avg(c.nbytes), func.max(c.nbytes),
-            func.avg(c.n_tokens),
-        ).where(c.kv_version == kv_version)  # fmt: skip
-        with self.engine.connect() as connection:
-            users, total, mean, largest, tokens = connection.execute(query).one()
-        return {
-            "users": int(users),
-            "total_bytes": int(total or 0),
-            "mean_bytes_per_user": float(mean or 0.0),
-            "max_bytes_per_user": int(largest or 0),
-            "mean_tokens_per_user": float(tokens or 0.0),
-        }
-
-    def user_sizes(self, kv_version: int) -> dict[str, int]:
-        """Bytes per user of one version."""
-        c = prefix_kv_index.c
-        query = select(c.user_id, c.nbytes).where(c.kv_version == kv_version)
-        with self.engine.connect() as connection:
-            return {user_id: int(nbytes) for user_id, nbytes in connection.execute(query)}
+    def load_many(
+        self, kv_version: int, user_ids: Sequence[str], expected_model_version: Any
+    ) -> dict[str, LoadedKV]:
+        """The batch's entries in one query, then their files (a missing or stale file is
+        that user's error, not the batch's)."""
+        loaded: dict[str, LoadedKV] = {}
+        for user_id, entry in self.lookup_many(kv_version, user_ids).items():
+            try:
+                loaded[user_id] = (entry, self.load(entry, expected_model_version))
+            except Exception as exc:  # noqa: BLE001 - one user's cache, not the batch
+                loaded[user_id] = exc
+        return loaded
 
     def garbage_collect(self, keep_versions: Iterable[int]) -> int:
         """Drop every version not in ``keep_versions`` (index rows first, then files).
@@ -291,15 +364,7 @@ class LocalDirKVStore:
         """
         keep = {int(v) for v in keep_versions}
         keep_names = {version_dir_name(v) for v in keep}
-        with self.engine.begin() as connection:
-            indexed = {
-                int(v)
-                for (v,) in connection.execute(select(prefix_kv_index.c.kv_version).distinct())
-            }
-            connection.execute(
-                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version.not_in(keep))
-            )
-        removed = {version_dir_name(v) for v in indexed - keep}
+        removed = {version_dir_name(v) for v in self._drop_index_except(keep)}
         if self.root.exists():
             for child in self.root.iterdir():
                 if child.is_dir() and child.name.startswith("v") and child.name not in keep_names:
@@ -311,16 +376,8 @@ class LocalDirKVStore:
 
     def discard(self, kv_version: int) -> None:
         """Remove one (unactivated) version entirely: its index rows and its directory."""
-        with self.engine.begin() as connection:
-            connection.execute(
-                delete(prefix_kv_index).where(prefix_kv_index.c.kv_version == kv_version)
-            )
+        self._drop_index(kv_version)
         shutil.rmtree(self.root / version_dir_name(kv_version), ignore_errors=True)
-
-    def _index(self, rows: list[dict[str, Any]]) -> None:
-        if rows:
-            with self.engine.begin() as connection:
-                connection.execute(insert(prefix_kv_index), rows)
 
 
 def _check_version(entry: PrefixKVEntry, kv_version: int) -> None:
@@ -358,8 +415,14 @@ def _open_local(settings, engine: Engine) -> LocalDirKVStore:
     return LocalDirKVStore(kv_root(settings), engine)
 
 
-# Backend name (settings.refresh.kv_backend) -> factory(settings, engine).
-BACKENDS: dict[str, Callable[[Any, Engine], KVStore]] = {"local": _open_local}
+def _open_redis(settings, engine: Engine) -> KVStore:
+    from genrec.online.prefix_kv_redis import RedisKVStore  # redis-py only where configured
+
+    return RedisKVStore.from_settings(settings.redis, engine)
+
+
+# Backend name (settings.online.kv_store) -> factory(settings, engine).
+BACKENDS: dict[str, Callable[[Any, Engine], KVStore]] = {"local": _open_local, "redis": _open_redis}
 
 
 def kv_root(settings) -> Path:
@@ -369,8 +432,8 @@ def kv_root(settings) -> Path:
 
 
 def open_kv_store(settings, engine: Engine) -> KVStore:
-    """The configured backend (the local directory by default)."""
-    backend = settings.refresh.kv_backend
+    """The configured backend, ``online.kv_store`` (the local directory by default)."""
+    backend = settings.online.kv_store
     if backend not in BACKENDS:
         raise ValueError(f"unknown KV store backend {backend!r}; choose from {sorted(BACKENDS)}")
     return BACKENDS[backend](settings, engine)

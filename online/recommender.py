@@ -55,6 +55,7 @@ from genrec.infra.settings import OnlineSettings, Settings
 from genrec.ingest.history import HistoryEvent, load_histories_of
 from genrec.online.auto_mode import AutoMode
 from genrec.online.merge import merge_lists
+from genrec.online.prefix_kv_store import KVStoreUnavailable
 from genrec.online.prompts import history_prompt, history_tokens
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
@@ -136,9 +137,15 @@ class PrefixKVCache:
     count alone would not bound a worker's memory. Thread-safe: the worker looks
     prefixes up on its consumer's thread while its engine thread recounts the
     ones it decoded.
+
+    A batch's memory misses are read from the KV store together (``load_many``: one
+    pipelined round trip for Redis). A store that cannot be reached answers nothing
+    for them: they are served from their prompts, counted, and not remembered, so the
+    next batch asks the store again and hits once it is back.
     """
 
     _MISS = object()
+    UNAVAILABLE_LOG_S = 30.0  # at most one "store unreachable" warning this often
 
     def __init__(self, size: int, max_bytes: int | None = None) -> None:
         self.size, self.max_bytes = size, max_bytes
@@ -146,31 +153,71 @@ class PrefixKVCache:
         self._entries: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._sizes: dict[tuple[str, str], int] = {}  # bytes of each entry, as last counted
         self._lock = threading.Lock()
+        self._unavailable_logged_at: float | None = None
+        self._unavailable_unlogged = 0  # users served from the prompt since the last warning
 
     def get(self, kv_store: Any, kv_version: str, user_id: str, model_version: Any) -> tuple:
         """``(entry, prefix_kv)`` or ``(None, None)``; loads from ``kv_store`` on a memory miss."""
-        key = (kv_version, user_id)
+        found, _unavailable = self.get_many(kv_store, kv_version, [user_id], model_version)
+        return found.get(user_id, (None, None))
+
+    def get_many(
+        self, kv_store: Any, kv_version: str, user_ids: Sequence[str], model_version: Any
+    ) -> tuple[dict[str, tuple], set[str]]:
+        """Per user with a usable cache ``(entry, prefix_kv)``, and the users whose cache
+        could not be asked for because the store is unreachable."""
+        found: dict[str, tuple] = {}
+        missing: list[str] = []
         with self._lock:
-            if key in self._entries:
+            for user_id in dict.fromkeys(user_ids):
+                key = (kv_version, user_id)
+                if key not in self._entries:
+                    missing.append(user_id)
+                    continue
                 self._entries.move_to_end(key)
                 metrics.PREFIX_KV_LOOKUPS.labels(result="memory").inc()
-                found = self._entries[key]
-                return (None, None) if found is self._MISS else found
-        # Loaded outside the lock: a disk read must not hold up the engine's recount.
-        entry = kv_store.lookup(kv_version, user_id)
-        found = self._MISS
-        if entry is not None:
-            try:
-                found = (entry, kv_store.load(entry, expected_model_version=model_version))
-            except Exception as exc:  # a stale or unreadable entry: serve without it
-                log.warning("prefix KV of user %s unusable: %s", user_id, exc)
-                metrics.ERRORS.labels(component="online", kind="prefix_kv_load").inc()
-        metrics.PREFIX_KV_LOOKUPS.labels(
-            result="store" if found is not self._MISS else "miss"
-        ).inc()
+                if self._entries[key] is not self._MISS:
+                    found[user_id] = self._entries[key]
+        if not missing:
+            return found, set()
+        # Loaded outside the lock: a store read must not hold up the engine's recount.
+        try:
+            loaded = _load_many(kv_store, kv_version, missing, model_version)
+        except KVStoreUnavailable as exc:
+            metrics.PREFIX_KV_LOOKUPS.labels(result="unavailable").inc(len(missing))
+            self._log_unavailable(exc, len(missing))
+            return found, set(missing)
         with self._lock:
-            self._remember(key, found)
-        return (None, None) if found is self._MISS else found
+            for user_id in missing:
+                result = self._checked(user_id, loaded.get(user_id))
+                metrics.PREFIX_KV_LOOKUPS.labels(
+                    result="miss" if result is self._MISS else "store"
+                ).inc()
+                self._remember((kv_version, user_id), result)
+                if result is not self._MISS:
+                    found[user_id] = result
+        return found, set()
+
+    def _checked(self, user_id: str, loaded: Any) -> Any:
+        """A store's answer for one user as an LRU value: ``(entry, prefix_kv)`` or a miss."""
+        if loaded is None:
+            return self._MISS
+        if isinstance(loaded, Exception):  # a stale or unreadable entry: serve without it
+            log.warning("prefix KV of user %s unusable: %s", user_id, loaded)
+            metrics.ERRORS.labels(component="online", kind="prefix_kv_load").inc()
+            return self._MISS
+        return loaded
+
+    def _log_unavailable(self, exc: Exception, users: int) -> None:
+        """One warning per ``UNAVAILABLE_LOG_S`` however many batches fall back meanwhile."""
+        now = time.monotonic()
+        self._unavailable_unlogged += users
+        last = self._unavailable_logged_at
+        if last is None or now - last >= self.UNAVAILABLE_LOG_S:
+            log.warning("prefix KV store unreachable (%s): %d users served from their prompts "
+                        "since the last message; retrying on the next batches",
+                        exc, self._unavailable_unlogged)  # fmt: skip
+            self._unavailable_logged_at, self._unavailable_unlogged = now, 0
 
     def _remember(self, key: tuple[str, str], found: Any) -> None:
         if self.size <= 0:
@@ -207,6 +254,26 @@ class PrefixKVCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def _load_many(kv_store: Any, kv_version: str, user_ids: list[str], model_version: Any) -> dict:
+    """``kv_store.load_many``, or one lookup and load per user for a store without it."""
+    if hasattr(kv_store, "load_many"):
+        return kv_store.load_many(kv_version, user_ids, expected_model_version=model_version)
+    loaded: dict[str, Any] = {}
+    for user_id in user_ids:
+        entry = kv_store.lookup(kv_version, user_id)
+        if entry is not None:
+            try:
+                loaded[user_id] = (
+                    entry,
+                    kv_store.load(entry, expected_model_version=model_version),
+                )
+            except KVStoreUnavailable:
+                raise
+            except Exception as exc:  # noqa: BLE001 - this user's cache, not the batch
+                loaded[user_id] = exc
+    return loaded
 
 
 def _prefix_bytes(found: Any) -> int:
@@ -314,8 +381,16 @@ class Recommender:
                 stats["path"] = "no_generative"
             return None, decoding
         started = time.perf_counter()
+        found, unavailable = {}, set()
+        if bundle.kv_store is not None and bundle.kv_version is not None:
+            found, unavailable = self.prefix_kvs.get_many(
+                bundle.kv_store, bundle.kv_version, [r.user_id for r in requests],
+                bundle.model_version,
+            )  # fmt: skip
         gen_requests = [
-            self._generative_request(r, h, bundle, stats)
+            self._generative_request(
+                r, h, bundle, stats, found.get(r.user_id), r.user_id in unavailable
+            )
             for r, h, stats in zip(requests, histories, decoding, strict=True)
         ]
         metrics.STAGE_LATENCY.labels(stage="prefix_kv").observe(time.perf_counter() - started)
@@ -368,7 +443,11 @@ class Recommender:
             _observe_decoding(stats)
         return lists
 
-    def _generative_request(self, request, history, bundle, stats) -> GenerativeRequest:
+    def _generative_request(
+        self, request, history, bundle, stats, cached: tuple | None, store_down: bool
+    ) -> GenerativeRequest:
+        """``cached``: the user's ``(entry, prefix_kv)`` (None: decode the full prompt);
+        ``store_down``: none because the KV store was unreachable."""
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
         seen = []
@@ -378,15 +457,14 @@ class Recommender:
             )
         full_prompt = history_prompt([e.item_id for e in history], item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
-        entry, prefix_kv = (None, None)
-        if bundle.kv_store is not None and bundle.kv_version is not None:
-            entry, prefix_kv = self.prefix_kvs.get(
-                bundle.kv_store, bundle.kv_version, request.user_id, bundle.model_version
-            )
+        entry, prefix_kv = cached or (None, None)
         if prefix_kv is None:
             stats["path"] = "full_prompt"
             stats["prompt_tokens"] = len(full_prompt)
-            metrics.FALLBACKS.labels(reason="no_prefix_kv").inc()
+            reason = "kv_store_unavailable" if store_down else "no_prefix_kv"
+            if store_down:
+                stats["fallback"] = reason
+            metrics.FALLBACKS.labels(reason=reason).inc()
             return gen
         cutoff = entry.cutoff_event_row
         suffix = [e.item_id for e in history if e.row is None or e.row > cutoff]

@@ -18,6 +18,7 @@ from sqlalchemy import Engine, insert, select
 
 from genrec.app.kafka_broker import KafkaBroker, KafkaCluster, pick_free_ports
 from genrec.app.postgres import LocalPostgres, PostgresUnavailable
+from genrec.app.redis_server import LocalRedis
 from genrec.infra.database import make_engine
 from genrec.infra.settings import KafkaSettings, Settings
 from genrec.ingest.movielens import load_ml100k, store_ml100k
@@ -36,6 +37,7 @@ FIXTURE_MARKERS = {
     "stoppable_kafka_broker": "integration",
     "kafka_cluster": "integration",
     "postgres_server": "integration",
+    "redis_server": "integration",
     "serving_home": "slow",
 }
 
@@ -122,6 +124,19 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if server is None:
         pytest.skip("GENREC_TEST_SKIP_POSTGRES=1")
     return server.create_database(f"genrec_{uuid.uuid4().hex[:12]}")
+
+
+# --- redis (the shared prefix-KV tier) -------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[LocalRedis]:
+    """A private redis-server for the whole run (``make test`` installs it): a free
+    loopback port, its own temporary directory, no persistence. Tests keep apart by
+    ``redis.key_prefix``; one that stops Redis starts its own ``LocalRedis``."""
+    server = LocalRedis.start()
+    yield server
+    server.stop()
 
 
 # --- kafka ------------------------------------------------------------------

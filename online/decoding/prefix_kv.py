@@ -8,7 +8,7 @@ events newer than the cache). Per layer, keys and values are
 ``[num_kv_heads, len(prompt_ids) - 1, head_dim]`` (RoPE already applied, at
 positions 0 .. n-2).
 
-On disk (one safetensors file per user): tensors ``prompt_ids``,
+On disk (one safetensors file per user, or the same bytes as one Redis value): tensors ``prompt_ids``,
 ``keys.{layer}``, ``values.{layer}``; string metadata ``format``,
 ``model_version``, ``length`` (cached tokens), ``num_layers``. A file written
 under another ``model_version`` is refused on load.
@@ -158,6 +158,44 @@ def _empty_kv(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 def save_prefix_kv(path: str | Path, prefix_kv: PrefixKV) -> None:
     """Write one user's prefix cache as a safetensors file."""
+    tensors, metadata = _tensors_and_metadata(prefix_kv)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def prefix_kv_to_bytes(prefix_kv: PrefixKV) -> bytes:
+    """One user's prefix cache as safetensors bytes (the file's content; the Redis value)."""
+    from safetensors.torch import save
+
+    tensors, metadata = _tensors_and_metadata(prefix_kv)
+    return save(tensors, metadata=metadata)
+
+
+def prefix_kv_from_bytes(
+    data: bytes, expected_model_version: str, source: str = "prefix KV", device: str = "cpu"
+) -> PrefixKV:
+    """Parse ``prefix_kv_to_bytes``'s output (safetensors: no code runs); raises like
+    ``load_prefix_kv``. ``source`` names the value in errors (a Redis key, say)."""
+    from safetensors.torch import load
+
+    metadata = _safetensors_metadata(data)
+    _check_metadata(metadata, expected_model_version, source)
+    tensors = {name: t.to(device) for name, t in load(data).items()}
+    return _from_tensors(tensors, metadata, source)
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes: an 8-byte little-endian length, then JSON."""
+    import json
+
+    if len(data) < 8:
+        raise ValueError("not a safetensors value (too short)")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise ValueError("not a safetensors value (header past the end)")
+    return json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+
+
+def _tensors_and_metadata(prefix_kv: PrefixKV) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     tensors = {"prompt_ids": torch.tensor(prefix_kv.prompt_ids, dtype=torch.long)}
     for layer, (k, v) in enumerate(zip(prefix_kv.keys, prefix_kv.values, strict=True)):
         tensors[f"keys.{layer}"] = k.detach().contiguous().cpu()
@@ -168,7 +206,7 @@ def save_prefix_kv(path: str | Path, prefix_kv: PrefixKV) -> None:
         "length": str(prefix_kv.length),
         "num_layers": str(len(prefix_kv.keys)),
     }
-    save_file(tensors, str(path), metadata=metadata)
+    return tensors, metadata
 
 
 def load_prefix_kv(
@@ -179,19 +217,28 @@ def load_prefix_kv(
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
+    _check_metadata(metadata, expected_model_version, str(path))
+    return _from_tensors(load_file(str(path), device=str(device)), metadata, str(path))
+
+
+def _check_metadata(metadata: dict[str, str], expected_model_version: str, source: str) -> None:
     if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a genrec prefix KV file (format {metadata.get('format')!r})")
+        raise ValueError(
+            f"{source}: not a genrec prefix KV file (format {metadata.get('format')!r})"
+        )
     version = metadata.get("model_version")
     if version != expected_model_version:
         raise ModelVersionMismatch(
-            f"{path}: prefix KV computed by model version {version!r}, "
+            f"{source}: prefix KV computed by model version {version!r}, "
             f"but model version {expected_model_version!r} is serving; recompute it"
         )
-    tensors = load_file(str(path), device=str(device))
+
+
+def _from_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str], source: str):
     n_layers = int(metadata["num_layers"])
     prompt_ids = tensors["prompt_ids"].tolist()
     keys = [tensors[f"keys.{layer}"] for layer in range(n_layers)]
     values = [tensors[f"values.{layer}"] for layer in range(n_layers)]
     if any(k.shape[1] != len(prompt_ids) - 1 for k in keys):
-        raise ValueError(f"{path}: cached length does not match its prompt")
-    return PrefixKV(prompt_ids, keys, values, version)
+        raise ValueError(f"{source}: cached length does not match its prompt")
+    return PrefixKV(prompt_ids, keys, values, metadata["model_version"])
