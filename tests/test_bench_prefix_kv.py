@@ -108,3 +108,25 @@ def test_bench_prefix_kv_command_writes_table_json_and_plot(
     assert [p["budget"] for p in report["pairs"]] == ["unlimited", "unlimited", "50%"]
     assert report["models"].startswith("random 'tiny'")
     assert (tmp_path / "out" / "prefix_kv.png").stat().st_size > 0
+
+
+def test_bench_prefix_kv_uses_the_stores_trained_model(serving_home: Path, tmp_path: Path) -> None:
+    """The serving version's pinned model is the one measured (a copy of the shared store)."""
+    import shutil
+
+    from genrec.app.bench.prefix_kv import bench_models
+    from genrec.infra.settings import Settings
+
+    home = tmp_path / "home"
+    shutil.copytree(serving_home, home)
+    settings = Settings(home=home)
+    engine = make_engine(settings.database_url)
+    before = _store_state(settings, engine)
+    models, source = bench_models(settings, engine, "small", 50, random=False)
+    assert source.startswith(f"trained model version {before[0].model_version} ")
+    report = run_prefix_kv_bench(settings, engine, models, next_days=7.0,
+                                 budget_fractions=(0.5,), source=source)  # fmt: skip
+    assert _store_state(settings, engine) == before
+    unlimited = report["pairs"][1]
+    assert unlimited["users_newest_first"] > 0 and unlimited["coverage_newest_first"] > 0
+    assert report["history_items"] == models.history_items == 20
