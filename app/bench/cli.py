@@ -232,6 +232,8 @@ def _bench_prefix_kv(args: argparse.Namespace) -> int:
         store = Path(scratch) if args.ml100k else args.data_dir
         if store is None and (settings.data_dir / "demo" / "genrec.db").exists():
             store = settings.data_dir / "demo"
+        if store is not None and not args.ml100k and not (store / "genrec.db").exists():
+            raise UserFacingError(f"--data-dir: no store (genrec.db) in {store}")
         if store is not None:
             settings = settings.model_copy(update={
                 "data_dir": store.resolve(), "database_url": f"sqlite:///{store / 'genrec.db'}"})  # fmt: skip
