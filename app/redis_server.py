@@ -101,8 +101,11 @@ class LocalRedis:
         return {"host": "127.0.0.1", "port": self.port, "password": self.password,
                 "cluster": self.cluster, **overrides}  # fmt: skip
 
-    def halt(self) -> None:
-        """Stop the server, keep its directory (``resume`` starts it again, empty)."""
+    def halt(self, save: bool = False) -> None:
+        """Stop the server, keep its directory: ``resume`` starts it again, empty, or with
+        the data it had when ``save`` (SHUTDOWN SAVE writes a snapshot it reloads)."""
+        if save and self.process is not None and self.process.poll() is None:
+            self.client().shutdown(save=True)
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
