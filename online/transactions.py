@@ -118,6 +118,8 @@ class TransactionalPublisher:
             self._abort()
             raise TransactionAborted(f"{type(exc).__name__}: {exc}") from exc
         self.transactions += 1
+        log.debug("committed transaction %d: %d messages, offsets %s",
+                  self.transactions, len(payloads), dict(offsets))  # fmt: skip
 
     def _bounded(self, what: str, step: str, *args: Any) -> None:
         """A transactional step, waited for at most ``timeout_s``.

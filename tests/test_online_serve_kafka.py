@@ -56,9 +56,16 @@ class Worker:
     """One `genrec serve` subprocess; its log goes to ``log_path``."""
 
     def __init__(
-        self, home: Path, kafka: KafkaSettings, group: str, log_path: Path, **settings: str
+        self,
+        home: Path,
+        kafka: KafkaSettings,
+        group: str,
+        log_path: Path,
+        log_levels: str = "",
+        **settings: str,
     ) -> None:
-        """``settings``: more ``GENREC_ONLINE__*`` variables, e.g. ``PROCESSING_GUARANTEE``."""
+        """``settings``: more ``GENREC_ONLINE__*`` variables, e.g. ``PROCESSING_GUARANTEE``;
+        ``log_levels``: ``GENREC_LOG_LEVELS``, e.g. to see a scenario's offsets."""
         self.port = pick_free_ports(1)[0]
         self.log_path = log_path
         env = {
@@ -73,6 +80,7 @@ class Worker:
             "GENREC_ONLINE__SESSION_TIMEOUT_MS": "6000",  # the broker's minimum
             "GENREC_ONLINE__MAX_BATCH_USERS": "16",
             "GENREC_ONLINE__TORCH_THREADS": "1",
+            "GENREC_LOG_LEVELS": log_levels,
             **{f"GENREC_ONLINE__{name}": value for name, value in settings.items()},
         }
         with log_path.open("ab") as log:
@@ -651,16 +659,19 @@ def test_cluster_a_paused_worker_is_fenced_and_nothing_is_published_twice(
     answers.close()
 
 
-def _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, guarantee: str) -> Counter:
+def _kill_a_broker_mid_stream(
+    serving_home, kafka_cluster, tmp_path, guarantee: str
+) -> tuple[Recommendations, Events]:
     """Ingest and two workers on the cluster; the leader of events partition 0 is killed
-    (-9) mid-stream. Returns how often each event was answered, once all are, after
-    checking the store holds every event and no process needed a restart."""
+    (-9) mid-stream. Returns the answers, read to the end once all events are answered,
+    and the events sent, after checking the store holds every event and no process needed
+    a restart."""
     home = tmp_path / "home"
     shutil.copytree(serving_home, home)
     kafka, group, sent, answers = fresh_stream(kafka_cluster)
     ingest = Ingest(home, kafka, tmp_path / "ingest.log")
     workers = [
-        Worker(home, kafka, group, tmp_path / f"worker{n}.log",
+        Worker(home, kafka, group, tmp_path / f"worker{n}.log", log_levels=OFFSET_LOGS,
                PROCESSING_GUARANTEE=guarantee, INSTANCE_ID=f"w{n}")
         for n in range(2)
     ]  # fmt: skip
@@ -690,10 +701,26 @@ def _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, guarantee: 
         sent.close()
     for _ in range(5):
         answers.poll()
-    counts = answers.answers()
     answers.close()
-    assert set(counts) == set(sent.sent)  # nothing lost
-    return counts
+    assert set(answers.answers()) == set(sent.sent)  # nothing lost
+    return answers, sent
+
+
+# Where each worker starts reading after a rebalance, and what each transaction committed:
+# a duplicate can then be traced to the offsets it was read again from.
+OFFSET_LOGS = "kafka.coordinator.consumer=DEBUG,genrec.online.transactions=DEBUG"
+
+
+def _duplicates(answers: Recommendations, sent: Events) -> str:
+    """Each event answered more than once: its (partition, offset) and every answer's
+    request id, produce time and where it sits on the recommendations topic."""
+    counts = answers.answers()
+    lines = []
+    for event_id in sorted(e for e, n in counts.items() if n > 1):
+        copies = [m for m in answers.messages if event_id in m.covered_event_ids]
+        seen = ", ".join(f"{m.request_id} at {m.produced_at}" for m in copies)
+        lines.append(f"{event_id} {sent.offsets.get(event_id)}: {seen}")
+    return "\n".join(lines)
 
 
 def _leader_of(kafka: KafkaSettings, topic: str, partition: int) -> int:
@@ -712,8 +739,18 @@ def _leader_of(kafka: KafkaSettings, topic: str, partition: int) -> int:
 def test_cluster_broker_kill_9_exactly_once_answers_every_event_once(
     serving_home, kafka_cluster, tmp_path
 ) -> None:
-    counts = _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, "exactly_once")
-    assert counts == Counter({event_id: 1 for event_id in counts})
+    answers, sent = _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, "exactly_once")
+    twice = _duplicates(answers, sent)
+    if twice:
+        traces = "\n".join(
+            f"--- worker{n}:\n" + "\n".join(
+                line[:300] for line in (tmp_path / f"worker{n}.log").read_text().splitlines()
+                if any(k in line for k in ("Setting offset", "committed transaction",
+                                           "partitions", "transaction failed", "retried"))
+            )
+            for n in range(2)
+        )  # fmt: skip
+        raise AssertionError(f"answered more than once:\n{twice}\n{traces}")
 
 
 def test_cluster_broker_kill_9_at_least_once_counts_its_duplicates(
@@ -721,6 +758,66 @@ def test_cluster_broker_kill_9_at_least_once_counts_its_duplicates(
 ) -> None:
     """The same failure at-least-once: nothing lost; the duplicates it does produce are
     counted (printed), so the difference from exactly-once is measured, not assumed."""
-    counts = _kill_a_broker_mid_stream(serving_home, kafka_cluster, tmp_path, "at_least_once")
+    answers, _sent = _kill_a_broker_mid_stream(
+        serving_home, kafka_cluster, tmp_path, "at_least_once"
+    )
+    counts = answers.answers()
     twice = sum(1 for n in counts.values() if n > 1)
     print(f"at_least_once, broker kill -9: {len(counts)} events, {twice} answered more than once")
+
+
+# --- hosts that share no files (issue #20): only PostgreSQL, Redis and Kafka --------------
+
+
+def test_workers_on_separate_homes_serve_prefix_kv_from_redis_and_fetched_artifacts(
+    published_serving_env, redis_server, kafka_broker, tmp_path, monkeypatch
+) -> None:
+    """Two `genrec serve` processes, each with its own empty GENREC_HOME, no file in common:
+    the store is PostgreSQL, the prefix KV in Redis, and the model and recall files come
+    from the database into each home's cache (``artifacts.store = database``). Both answer
+    the cached users from their prefix KV."""
+    for name, value in published_serving_env.items():
+        monkeypatch.setenv(name, value)  # Worker passes its environment on
+    engine = make_engine(published_serving_env["GENREC_DATABASE_URL"])
+    active = active_serving_version(engine)
+    engine.dispose()
+    prefix = published_serving_env["GENREC_REDIS__KEY_PREFIX"]
+    assert sum(1 for _ in redis_server.client().scan_iter(match=f"{prefix}*")) >= SERVING_USERS
+    kafka, group, sent, answers = fresh_stream(kafka_broker)
+    homes = [tmp_path / f"host-{name}" for name in "ab"]
+    workers = [Worker(home, kafka, group, tmp_path / f"{home.name}.log") for home in homes]
+    stream = EventStream(sent, rate=30)
+    try:
+        for worker in workers:
+            worker.wait_healthy(timeout=180)
+        stream.start()
+        wait_for(
+            lambda: all(metric_value(w.get("/metrics")[1].decode(), "genrec_requests_total",
+                                     path="prefix_kv") > 0 for w in workers),
+            180, "prefix-KV answers from both workers",
+        )  # fmt: skip
+        stream.stop()
+        answers.wait_answered(list(sent.sent), 120)
+        texts = [w.get("/metrics")[1].decode() for w in workers]
+        assert [w.stop(signal.SIGTERM) for w in workers] == [0, 0], workers[0].log()
+    finally:
+        stream.halt.set()
+        for worker in workers:
+            worker.stop(signal.SIGKILL)
+        sent.close()
+    for text in texts:  # each worker read caches from Redis, and Redis never failed it
+        assert metric_value(text, "genrec_prefix_kv_lookups_total", result="store") > 0
+        assert metric_value(text, "genrec_prefix_kv_lookups_total", result="unavailable") == 0
+    assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
+    for message in answers.messages:  # every streamed user has a cache in this version
+        assert message.decoding["path"] == "prefix_kv", message.decoding
+        assert message.decoding["serving_version"] == str(active.version)
+        assert message.decoding["kv_version"] == active.kv_version
+        assert message.branches["generative"] and message.branches["itemcf"]
+    for home in homes:  # the files each worker loaded: its own verified copy
+        tree = home / "var" / "artifact_cache" / f"v{active.version:06d}"
+        assert (tree / "model" / "target" / "model.safetensors").is_file()
+        assert (tree / "recall" / "itemcf" / "manifest.json").is_file()
+        assert not (home / "var" / "prefix_kv").exists()  # no KV files: Redis holds them
+        assert not (home / "var" / "genrec.db").exists()
+    answers.close()
