@@ -244,6 +244,25 @@ class ModelSettings(BaseModel):
     torch_threads: int = 1
 
 
+class TrainSettings(BaseModel):
+    """Where ``genrec offline train`` and the refresh's training run (section ``train``).
+
+    ``workers = 1``: in this process, as always (no Ray needed). More: that many
+    data-parallel Ray Train workers (DDP; gloo on CPU, NCCL on GPUs) on the Ray of
+    ``offline.ray_address`` (none: a local Ray in this process), each on its share of
+    every global batch, so N workers take the same steps on the same batches as one.
+    """
+
+    workers: int = Field(default=1, ge=1)
+    # None: one GPU per worker when the Ray cluster has a GPU for each, else CPU workers.
+    use_gpu: bool | None = None
+    cpus_per_worker: float = Field(default=1.0, gt=0)  # Ray CPUs each worker reserves
+    # Ray Train's checkpoints (the trained models on their way back, as safetensors); on a
+    # cluster every node must reach it (the shared artifact volume). Default:
+    # data_dir / "ray-train". Each run's folder is removed once its models are loaded.
+    storage_dir: Path | None = None
+
+
 class KafkaBrokerSettings(BaseModel):
     """The local single-node broker of ``genrec kafka up`` (never used against a real cluster).
 
@@ -485,6 +504,7 @@ class Settings(BaseSettings):
     recall: RecallSettings = Field(default_factory=RecallSettings)
     decode: DecodeSettings = Field(default_factory=DecodeSettings)
     model: ModelSettings = Field(default_factory=ModelSettings)
+    train: TrainSettings = Field(default_factory=TrainSettings)
     ui: UiSettings = Field(default_factory=UiSettings)
     offline: OfflineSettings = Field(default_factory=OfflineSettings)
     artifacts: ArtifactSettings = Field(default_factory=ArtifactSettings)

@@ -24,6 +24,10 @@ Alignment losses, at each level ``t`` of each target beam:
   sequence probabilities on the target's top-K sequences, plus the per-level
   TVD along them (a denser signal for the same goal).
 
+Data-parallel (``shard``, ``train.workers > 1``): the SFT draft as the target
+(``train_target``); the aligned drafts on each worker's rows of the same global batches,
+DDP averaging the gradients (``genrec.offline.training.parallel``).
+
 Example::
 
     >>> teacher = make_teacher_data(target, item_tokens, tree, prompts, k=10)  # doctest: +SKIP
@@ -43,6 +47,7 @@ import torch
 
 from genrec.infra.progress import progress_bar
 from genrec.offline.splits import Split
+from genrec.offline.training.parallel import SINGLE, DataShard, step_loss
 from genrec.offline.training.target import TrainResult, make_optimizer, train_target
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.generative import _left_pad, decode_batched
@@ -213,7 +218,7 @@ def truth_cross_entropy(draft_lp: torch.Tensor, truth_codes: torch.Tensor) -> to
 
 def train_sft_draft(
     item_tokens: ItemTokens, split: Split, preset: ModelPreset, history_items: int,
-    seed: int = 0, progress: bool = True,
+    seed: int = 0, progress: bool = True, shard: DataShard = SINGLE,
 ) -> TrainResult:  # fmt: skip
     """The plain SFT draft: the target's training recipe on the draft architecture.
 
@@ -231,7 +236,7 @@ def train_sft_draft(
     )  # fmt: skip
     draft = build_draft(preset, item_tokens.layout)
     return train_target(item_tokens, split, schedule, history_items, model=draft, seed=seed,
-                        progress=progress, valid_limit=300)  # fmt: skip
+                        progress=progress, valid_limit=300, shard=shard)  # fmt: skip
 
 
 def align_draft(
@@ -245,8 +250,12 @@ def align_draft(
     batch_size: int = 16,
     seed: int = 0,
     progress: bool = True,
+    shard: DataShard = SINGLE,
 ) -> TrainResult:
-    """AtSpeed-S or AtSpeed-R fine-tuning of a copy of ``sft_draft`` on ``teacher``."""
+    """AtSpeed-S or AtSpeed-R fine-tuning of a copy of ``sft_draft`` on ``teacher``.
+
+    ``shard``: this worker's share of a data-parallel run (every worker returns the same model).
+    """
     if variant not in ALIGNED_VARIANTS:
         raise ValueError(f"variant must be one of {ALIGNED_VARIANTS}, got {variant!r}")
     torch.manual_seed(seed)
@@ -257,7 +266,9 @@ def align_draft(
     # ItemTrie.to matches; "cuda" would make it copy the trie again)
     tree = tree.to(next(draft.parameters()).device)
     k = k or teacher.beams.shape[1]
-    offsets = torch.as_tensor([layout.level_start(i) for i in range(layout.depth)])
+    offsets = torch.as_tensor([layout.level_start(i) for i in range(layout.depth)]).to(device)
+    batch_loss = step_loss(draft, _AlignLoss(teacher, variant, tree, offsets, k, align_weight),
+                           shard)  # fmt: skip
     count = len(teacher.prompts)
     total_steps = preset.draft_epochs * -(-count // batch_size)
     optimizer, schedule = make_optimizer(draft, preset.draft_lr / 2, 0.0, total_steps)
@@ -270,30 +281,46 @@ def align_draft(
         losses = []
         order = torch.as_tensor(rng.permutation(count))
         for start in range(0, count, batch_size):
-            index = order[start : start + batch_size]
-            beams = teacher.beams[index].to(device)
-            truth = teacher.truth[index].to(device)
-            suffixes = torch.cat([beams, truth[:, None]], dim=1)
-            logits = beam_logits(draft, layout, [teacher.prompts[i] for i in index], suffixes)
-            draft_lp = level_log_probs(logits.float(), suffixes, tree)
-            target_lp = teacher.target_log_probs[index].to(device)
-            ce = truth_cross_entropy(draft_lp[:, -1], truth - offsets.to(device))
-            if variant == "atspeed_s":
-                align = atspeed_s_loss(draft_lp[:, :-1], target_lp, k)
-            else:
-                align = atspeed_r_loss(draft_lp[:, :-1], target_lp, beams - offsets.to(device))
-            loss = (1 - align_weight) * ce + align_weight * align
+            index, weight = shard.take_weighted(order[start : start + batch_size])
+            loss = batch_loss(index)
+            if shard.parallel:
+                loss = loss * weight
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             optimizer.step()
             step += 1
             schedule(step / total_steps)
-            losses.append(loss.item())
+            losses.append(loss.item() / shard.world)
             bar.update(1)
-            bar.set_postfix(loss=f"{np.mean(losses[-20:]):.4f}")
-        curve.append(float(np.mean(losses)))
+            bar.set_postfix(loss=f"{np.mean(losses[-20:]) * shard.world:.4f}")
+        curve.append(float(np.mean(shard.sum(losses))))
     bar.close()
     draft.eval()
     return TrainResult(draft, {"train_loss": curve}, {"final_loss": curve[-1]},
                        time.perf_counter() - started)  # fmt: skip
+
+
+class _AlignLoss:
+    """``(1 - a) * CE + a * align`` of a draft on the teacher rows ``index`` (one step's loss)."""
+
+    def __init__(self, teacher: TeacherData, variant: str, tree: ItemTrie, offsets: torch.Tensor,
+                 k: int, align_weight: float) -> None:  # fmt: skip
+        self.teacher, self.variant, self.tree = teacher, variant, tree
+        self.offsets, self.k, self.align_weight = offsets, k, align_weight
+
+    def __call__(self, draft, index: torch.Tensor) -> torch.Tensor:
+        device, teacher = self.offsets.device, self.teacher
+        beams = teacher.beams[index].to(device)
+        truth = teacher.truth[index].to(device)
+        suffixes = torch.cat([beams, truth[:, None]], dim=1)
+        prompts = [teacher.prompts[i] for i in index.tolist()]
+        logits = beam_logits(draft, self.tree.layout, prompts, suffixes)
+        draft_lp = level_log_probs(logits.float(), suffixes, self.tree)
+        target_lp = teacher.target_log_probs[index].to(device)
+        ce = truth_cross_entropy(draft_lp[:, -1], truth - self.offsets)
+        if self.variant == "atspeed_s":
+            align = atspeed_s_loss(draft_lp[:, :-1], target_lp, self.k)
+        else:
+            align = atspeed_r_loss(draft_lp[:, :-1], target_lp, beams - self.offsets)
+        return (1 - self.align_weight) * ce + self.align_weight * align

@@ -6,6 +6,12 @@ measure them, save everything as a new model version and activate it. Used by
 ``genrec offline train`` (``offline/training/cli.py``) and by the refresh job
 (``train_for_refresh``).
 
+The training itself (``train_parts``: target, SFT draft, teacher beams, aligned drafts)
+runs here with ``train.workers = 1``; with more it runs in that many data-parallel
+Ray Train workers (``genrec.offline.training.ray_train``), each calling ``train_parts``
+on its share of the data, and the models come back as safetensors. Measuring and saving
+are the same either way.
+
 Example::
 
     >>> version, metrics = train_models(settings, engine, preset_name="tiny")  # doctest: +SKIP
@@ -16,6 +22,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +33,13 @@ from genrec.offline.semantic_ids.build import load_active_semantic_ids
 from genrec.offline.splits import load_split
 from genrec.offline.training.draft import (
     ALIGNED_VARIANTS,
+    TeacherData,
     align_draft,
     make_teacher_data,
     sample_training_prompts,
     train_sft_draft,
 )
+from genrec.offline.training.parallel import SINGLE, DataShard
 from genrec.offline.training.target import evaluate_cases, plot_curves, train_target
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.generative import GenerativeModels, draft_agreement
@@ -111,22 +120,104 @@ def _tokens_and_tokenizer(preset, semantic_ids):
     return ItemTokens(semantic_ids.item_ids, semantic_ids.codes, layout), tokenizer, model
 
 
+@dataclass
+class TrainingInputs:
+    """What ``train_parts`` reads: all of it is sent to every worker of a parallel run."""
+
+    item_tokens: ItemTokens
+    split: Any  # genrec.offline.splits.Split
+    preset: Any  # genrec.online.models.presets.ModelPreset
+    history_items: int
+    seed: int
+    beam_width: int
+    align_weight: float
+    base_model: Any = None  # the pretrained model to fine-tune (None: from scratch)
+    target: Any = None  # the target to keep when it is not trained (drafts only)
+
+
+@dataclass
+class TrainedParts:
+    """The models one training run produced, with their figures and loss curves."""
+
+    target: Any
+    drafts: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    curves: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # plot -> curves
+
+
+def train_parts(
+    inputs: TrainingInputs, shard: DataShard = SINGLE, progress: bool = True
+) -> TrainedParts:
+    """Train the target (unless ``inputs.target`` is given), the SFT draft and both aligned drafts.
+
+    ``shard``: this worker's place in a data-parallel run; every worker returns the same models.
+    """
+    preset, history, seed = inputs.preset, inputs.history_items, inputs.seed
+    item_tokens, split = inputs.item_tokens, inputs.split
+    metrics: dict[str, Any] = {}
+    curves: dict[str, dict[str, list[float]]] = {}
+    target = inputs.target
+    if target is None:
+        result = train_target(item_tokens, split, preset, history, model=inputs.base_model,
+                              seed=seed, progress=progress, beam_width=inputs.beam_width,
+                              shard=shard)  # fmt: skip
+        target = result.model
+        metrics.update(target_seconds=result.seconds, target_params=count_parameters(target),
+                       **{f"target_{k}": v for k, v in result.metrics.items()})  # fmt: skip
+        curves["target_curves.png"] = result.curves
+    sft = train_sft_draft(item_tokens, split, preset, history, seed=seed, progress=progress,
+                          shard=shard)  # fmt: skip
+    drafts = {"sft": sft.model}
+    metrics.update(sft_seconds=sft.seconds, draft_params=count_parameters(sft.model))
+    started = time.perf_counter()
+    tree = ItemTrie.from_item_tokens(item_tokens, pick_device())
+    teacher = _teacher_data(target, inputs, tree, shard, progress)
+    metrics["teacher_seconds"] = time.perf_counter() - started
+    draft_curves = {"sft_train_loss": sft.curves["train_loss"]}
+    for variant in ALIGNED_VARIANTS:
+        aligned = align_draft(sft.model, teacher, variant, tree, preset, inputs.align_weight,
+                              seed=seed, progress=progress, shard=shard)  # fmt: skip
+        drafts[variant] = aligned.model
+        metrics[f"{variant}_seconds"] = aligned.seconds
+        draft_curves[f"{variant}_train_loss"] = aligned.curves["train_loss"]
+    curves["draft_curves.png"] = draft_curves
+    return TrainedParts(target, drafts, metrics, curves)
+
+
+def _teacher_data(target, inputs: TrainingInputs, tree, shard: DataShard, progress: bool):
+    """The target's beams for the sampled training prompts; each worker decodes its share."""
+    prompts, truths = sample_training_prompts(inputs.split, inputs.item_tokens,
+                                              inputs.history_items, inputs.preset.teacher_prompts,
+                                              seed=inputs.seed)  # fmt: skip
+    mine = make_teacher_data(target, inputs.item_tokens, tree, list(shard.take(prompts)),
+                             list(shard.take(truths)), inputs.preset.teacher_beams,
+                             progress=progress)  # fmt: skip
+    if not shard.parallel:
+        return mine
+    return TeacherData(prompts, shard.gather_rows(mine.beams, len(prompts)),
+                       shard.gather_rows(mine.truth, len(prompts)),
+                       shard.gather_rows(mine.target_log_probs, len(prompts)))  # fmt: skip
+
+
 def _train_all(settings, engine, preset, split, item_tokens, base_model, train_target_model,
                scratch: Path, progress: bool) -> dict[str, Any]:  # fmt: skip
     config = settings.model
     history = config.history_items
-    metrics: dict[str, Any] = {}
-    plots: dict[str, Path] = {}
-    if train_target_model:
-        result = train_target(item_tokens, split, preset, history, model=base_model,
-                              seed=config.seed, progress=progress, beam_width=config.beam_width)  # fmt: skip
-        target = result.model
-        metrics.update(target_seconds=result.seconds, target_params=count_parameters(target),
-                       **{f"target_{k}": v for k, v in result.metrics.items()})  # fmt: skip
-        plots["target_curves.png"] = plot_curves(result.curves, scratch / "target_curves.png",
-                                                 f"target ({preset.name})")  # fmt: skip
+    inputs = TrainingInputs(
+        item_tokens, split, preset, history, config.seed, config.beam_width, config.align_weight,
+        base_model=base_model,
+        target=None if train_target_model else _active_target(settings, engine, item_tokens),
+    )  # fmt: skip
+    if settings.train.workers > 1:
+        from genrec.offline.training.ray_train import train_parts_on_ray
+
+        parts = train_parts_on_ray(settings, inputs, progress=progress)
     else:
-        target = _active_target(settings, engine, item_tokens)
+        parts = train_parts(inputs, progress=progress)
+    target, metrics = parts.target, dict(parts.metrics)
+    metrics["train_workers"] = settings.train.workers
+    plots = {name: plot_curves(curves, scratch / name, _plot_title(name, preset.name))
+             for name, curves in parts.curves.items()}  # fmt: skip
     device = pick_device()
     tree = ItemTrie.from_item_tokens(item_tokens, device)
     test_cases = [c for c in split.test.values() if c.target in item_tokens][: preset.eval_users]
@@ -135,32 +226,18 @@ def _train_all(settings, engine, preset, split, item_tokens, base_model, train_t
     )
     metrics.update({f"target_test_{k}": v for k, v in test.items()})
     log.info("target test %s", test)
-
-    sft = train_sft_draft(item_tokens, split, preset, history, seed=config.seed, progress=progress)
-    drafts = {"sft": sft.model}
-    metrics.update(sft_seconds=sft.seconds, draft_params=count_parameters(sft.model))
-    started = time.perf_counter()
-    prompts, truths = sample_training_prompts(split, item_tokens, history, preset.teacher_prompts,
-                                              seed=config.seed)  # fmt: skip
-    teacher = make_teacher_data(target, item_tokens, tree, prompts, truths, preset.teacher_beams,
-                                progress=progress)  # fmt: skip
-    metrics["teacher_seconds"] = time.perf_counter() - started
-    curves = {"sft_train_loss": sft.curves["train_loss"]}
-    for variant in ALIGNED_VARIANTS:
-        aligned = align_draft(sft.model, teacher, variant, tree, preset, config.align_weight,
-                              seed=config.seed, progress=progress)  # fmt: skip
-        drafts[variant] = aligned.model
-        metrics[f"{variant}_seconds"] = aligned.seconds
-        curves[f"{variant}_train_loss"] = aligned.curves["train_loss"]
-    plots["draft_curves.png"] = plot_curves(curves, scratch / "draft_curves.png", "drafts")
-
-    models = GenerativeModels(target, drafts, item_tokens, history, preset.name, device=device)
+    models = GenerativeModels(target, parts.drafts, item_tokens, history, preset.name,
+                              device=device)  # fmt: skip
     valid_cases = [c for c in split.valid.values() if c.target in item_tokens]
     agreement_users = min(config.agreement_users, preset.eval_users or config.agreement_users)
     agreement = draft_agreement(models, valid_cases[:agreement_users], k=10)
     metrics["agreement_valid@10"] = agreement
     log.info("draft agreement %s", agreement)
-    return {"target": target, "drafts": drafts, "metrics": metrics, "plots": plots}
+    return {"target": target, "drafts": parts.drafts, "metrics": metrics, "plots": plots}
+
+
+def _plot_title(name: str, preset: str) -> str:
+    return f"target ({preset})" if name == "target_curves.png" else "drafts"
 
 
 def _active_target(settings, engine, item_tokens):

@@ -22,6 +22,11 @@ training sequences (so each sequence is its user's test history), runs the
 whole schedule chosen beforehand on validation, never evaluates and keeps the
 last weights (or their average). Its validation figures are not meaningful (it saw those items).
 
+Data-parallel (``shard``, ``train.workers > 1``; ``genrec.offline.training.parallel``):
+every worker cuts the same windows into the same global batches and trains on its rows of
+each, DDP averaging the gradients; validation is split between the workers and summed,
+and the time budget is the slowest worker's, so all of them stop at the same step.
+
 Example::
 
     >>> result = train_target(item_tokens, split, PRESETS["tiny"], history_items=50)  # doctest: +SKIP
@@ -45,6 +50,7 @@ import torch.nn.functional as F
 
 from genrec.infra.progress import progress_bar
 from genrec.offline.splits import Case, Split
+from genrec.offline.training.parallel import SINGLE, DataShard, step_loss
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.generative import decode_batched
 from genrec.online.models.item_vectors import (
@@ -326,12 +332,14 @@ def train_target(
     progress: bool = True,
     valid_limit: int | None = None,
     beam_width: int = 20,
+    shard: DataShard = SINGLE,
 ) -> TrainResult:
     """Train a target on ``split.train`` with early stopping on ``split.valid`` HR@10.
 
     With ``preset.fit_on_valid`` it trains on train + validation items for the
     whole schedule instead, never evaluates and keeps the last weights. With
     ``preset.ema_decay`` the weights validated and kept are the moving average.
+    ``shard``: this worker's share of a data-parallel run (every worker returns the same model).
     """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -352,15 +360,16 @@ def train_target(
     total_steps = preset.max_steps or steps_per_epoch * preset.epochs
     average = WeightAverage(model, preset.ema_decay) if preset.ema_decay > 0 else None
     run = _Run(*make_optimizer(model, preset.lr, preset.weight_decay, total_steps), total_steps,
-               preset.time_budget_s, average)  # fmt: skip
+               preset.time_budget_s, average, shard)  # fmt: skip
     hook = add_embedding_dropout(model, preset.dropout) if preset.dropout > 0 else None
+    batch_loss = step_loss(model, loss_fn, shard)
     curves: dict[str, list[float]] = {"train_loss": [], "valid_loss": [], "valid_hr@10": []}
     best = {"hr": -1.0, "state": None, "epoch": 0}
     stale = 0
     bar = progress_bar(total=total_steps, desc=f"target {preset.name}", disable=not progress)
     for epoch in range(1, preset.epochs + 1):
         batches = epoch_batches(sequences, preset, history_items, rng, ties)
-        epoch_losses = _train_epoch(model, loss_fn, run, batches, item_tokens, bar, epoch)
+        epoch_losses = _train_epoch(model, batch_loss, run, batches, item_tokens, bar, epoch)
         curves["train_loss"].append(float(np.mean(epoch_losses)))
         last_epoch = run.finished() or epoch == preset.epochs
         if preset.fit_on_valid or (epoch % preset.eval_every and not last_epoch):
@@ -369,12 +378,9 @@ def train_target(
             continue
         # The averaged weights are the ones kept, so they are the ones validated.
         with average.applied() if average else contextlib.nullcontext():
-            model.eval()
-            curves["valid_loss"].append(
-                validation_loss(model, loss_fn, valid, item_tokens, history_items, device)
-            )
-            hr = evaluate_cases(model, item_tokens, tree, valid, history_items,
-                                beam_width=beam_width)["hr@10"]  # fmt: skip
+            valid_loss, hr = _validate(model, loss_fn, tree, valid, item_tokens, history_items,
+                                       beam_width, shard)  # fmt: skip
+            curves["valid_loss"].append(valid_loss)
             improved = hr > best["hr"]
             if improved:
                 best = {"hr": hr, "state": copy.deepcopy(model.state_dict()), "epoch": epoch}
@@ -399,6 +405,23 @@ def train_target(
     return TrainResult(model, curves, metrics, time.perf_counter() - run.started)
 
 
+def _validate(model, loss_fn, tree, valid, item_tokens, history_items, beam_width,
+              shard: DataShard) -> tuple[float, float]:  # fmt: skip
+    """Validation loss and HR@10, each worker on its share of the cases, summed over all."""
+    model.eval()
+    mine = shard.take(valid)
+    loss, hr = 0.0, 0.0
+    if mine:  # fewer cases than workers leaves some with none
+        device = next(model.parameters()).device
+        loss = validation_loss(model, loss_fn, mine, item_tokens, history_items, device)
+        hr = evaluate_cases(model, item_tokens, tree, mine, history_items,
+                            beam_width=beam_width)["hr@10"]  # fmt: skip
+    if not shard.parallel:
+        return loss, hr
+    loss_sum, hr_sum, count = shard.sum([loss * len(mine), hr * len(mine), len(mine)])
+    return loss_sum / max(count, 1), hr_sum / max(count, 1)
+
+
 @dataclass
 class _Run:
     """Optimizer, learning-rate schedule and the step/time limits of one training run."""
@@ -408,49 +431,68 @@ class _Run:
     total_steps: int
     budget_s: float | None
     average: WeightAverage | None = None  # updated after every step when the preset asks
+    shard: DataShard = SINGLE
     step: int = 0
     started: float = field(default_factory=time.perf_counter)
+    elapsed: float = 0.0  # seconds at the last step: the slowest worker's in a parallel run
 
     def finished(self) -> bool:
-        return self.step >= self.total_steps or _over_budget(self.started, self.budget_s)
+        return self.step >= self.total_steps or _over_budget(self.elapsed, self.budget_s)
+
+    def stepped(self) -> None:
+        """Count a step; set the learning rate for the progress made."""
+        self.step += 1
+        self.elapsed = time.perf_counter() - self.started
+        if self.budget_s is not None:  # workers that disagreed on the time would diverge
+            self.elapsed = self.shard.max(self.elapsed)
+        self.schedule(_progress(self.step, self.total_steps, self.elapsed, self.budget_s))
 
 
-def _train_epoch(model, loss_fn, run: _Run, batches, item_tokens, bar, epoch: int) -> list[float]:
-    """One pass over ``batches`` of windows (stops early when the run is finished)."""
+def _trained_tokens(example: tuple[list[int], list[int]]) -> int:
+    return sum(label != IGNORE_INDEX for label in example[1])
+
+
+def _train_epoch(
+    model, batch_loss, run: _Run, batches, item_tokens, bar, epoch: int
+) -> list[float]:
+    """One pass over ``batches`` of windows (stops early when the run is finished).
+
+    Returns each step's loss on its whole batch (summed over the workers of a parallel run).
+    """
     model.train()
     device = next(model.parameters()).device
     losses = []
     for windows in batches:
         examples = [training_example(window, item_tokens) for window in windows]
-        ids, labels, mask = (
-            t.to(device) for t in collate(examples, item_tokens.layout.pad_token_id)
-        )
-        loss = loss_fn(model, ids, labels, mask)
+        mine, weight = run.shard.take_weighted(examples, _trained_tokens)
+        ids, labels, mask = (t.to(device) for t in collate(mine, item_tokens.layout.pad_token_id))
+        loss = batch_loss(ids, labels, mask)
+        if run.shard.parallel:
+            loss = loss * weight
         run.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         run.optimizer.step()
         if run.average is not None:
             run.average.update()
-        run.step += 1
-        run.schedule(_progress(run.step, run.total_steps, run.started, run.budget_s))
-        losses.append(loss.item())
+        run.stepped()
+        losses.append(loss.item() / run.shard.world)
         bar.update(1)
-        bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]):.3f}")
+        bar.set_postfix(epoch=epoch, loss=f"{np.mean(losses[-50:]) * run.shard.world:.3f}")
         if run.finished():
             break
-    return losses
+    return run.shard.sum(losses) if run.shard.parallel else losses
 
 
-def _progress(step: int, total_steps: int, started: float, budget_s: float | None) -> float:
+def _progress(step: int, total_steps: int, elapsed: float, budget_s: float | None) -> float:
     fraction = step / max(total_steps, 1)
     if budget_s:
-        fraction = max(fraction, (time.perf_counter() - started) / budget_s)
+        fraction = max(fraction, elapsed / budget_s)
     return min(fraction, 1.0)
 
 
-def _over_budget(started: float, budget_s: float | None) -> bool:
-    return budget_s is not None and time.perf_counter() - started > budget_s
+def _over_budget(elapsed: float, budget_s: float | None) -> bool:
+    return budget_s is not None and elapsed > budget_s
 
 
 def make_optimizer(model, lr: float, weight_decay: float, total_steps: int):
