@@ -2,7 +2,7 @@
 
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
-``bench load``, ``bench prefix-kv``.
+``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``.
 
 Example::
 
@@ -109,6 +109,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     decode.set_defaults(handler=_bench_decode)
     _register_load(bench)
     _register_prefix_kv(bench)
+    _register_prefix_kv_read(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -206,6 +207,49 @@ def _register_prefix_kv(bench: argparse._SubParsersAction) -> None:
     )
     prefix_kv.add_argument("--out", type=Path, default=None, help="default: var/bench/prefix-kv")
     prefix_kv.set_defaults(handler=_bench_prefix_kv)
+
+
+def _register_prefix_kv_read(bench: argparse._SubParsersAction) -> None:
+    kv_read = bench.add_parser(
+        "prefix-kv-read", help="a batch of users' prefix KVs read from local files vs Redis",
+        description="Write the same random caches (a preset's KV shape) to the local backend "
+        "and to Redis, then time load_many of --users users, alternating the two stores: "
+        "median ms per batch, MB per batch and the Redis / local ratio, per preset.",
+    )  # fmt: skip
+    kv_read.add_argument("--users", type=int, default=32, help="users per batch")
+    kv_read.add_argument("--batches", type=int, default=4, help="distinct batches of users")
+    kv_read.add_argument("--repeats", type=int, default=10, help="passes over every batch")
+    kv_read.add_argument("--presets", default="small", help="comma-separated model presets")
+    kv_read.add_argument("--tokens", type=int, default=169, help="prompt tokens per user")
+    kv_read.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    kv_read.add_argument(
+        "--redis", choices=["local", "configured"], default="local",
+        help="local: a redis-server started for the run on loopback; configured: the "
+        "[redis] settings (keys under their prefix, removed afterwards)",
+    )  # fmt: skip
+    kv_read.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    kv_read.set_defaults(handler=_bench_prefix_kv_read)
+
+
+def _bench_prefix_kv_read(args: argparse.Namespace) -> int:
+    from genrec.app.bench.kv_read import measure_preset, print_report
+    from genrec.app.redis_server import RedisUnavailable
+
+    settings = get_settings()
+    redis_settings = settings.redis if args.redis == "configured" else None
+    figures = []
+    for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
+        try:
+            figures.append(measure_preset(
+                preset, users=args.users, batches=args.batches, repeats=args.repeats,
+                tokens=args.tokens, dtype=args.dtype, redis_settings=redis_settings,
+            ))  # fmt: skip
+        except (ValueError, RedisUnavailable) as exc:
+            raise UserFacingError(str(exc)) from exc
+    print_report(figures)
+    if args.json:
+        args.json.write_text(json.dumps([f.to_dict() for f in figures], indent=2) + "\n")
+    return 0
 
 
 def _bench_prefix_kv(args: argparse.Namespace) -> int:
