@@ -8,7 +8,6 @@ conftest or from each other.
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,13 +209,14 @@ def kafka_settings(kafka_broker: KafkaBroker) -> KafkaSettings:
 # --- online -----------------------------------------------------------------
 
 
-def build_small_serving_version(home: Path, users: int = SERVING_USERS, **overrides) -> None:
+def build_small_serving_version(home: Path, users: int = SERVING_USERS, **overrides) -> Settings:
     """A real serving version in ``home`` via ``run_refresh``: semantic IDs, a ``tiny``-preset
     target and drafts, every user's prefix KV, plus fitted recall branches (about 30 s).
 
     The catalog is stored without titles so the semantic IDs come from interaction
     embeddings: the text encoder would double the build time and serving does not care.
     ``overrides``: more settings sections (``database_url``, ``artifacts``, ``redis``, ...).
+    Returns the settings it refreshed with.
     """
     settings = Settings(
         home=home,
@@ -240,29 +240,24 @@ def build_small_serving_version(home: Path, users: int = SERVING_USERS, **overri
     run_refresh(settings, engine)
     save_branches(fit_store_branches(settings, engine), settings.path("recall", "x").parent)
     engine.dispose()  # checkpoints SQLite's WAL: the folder can be copied as it is
+    return settings
 
 
 @pytest.fixture
-def published_serving_env(postgres_server, redis_server, tmp_path: Path) -> dict[str, str]:
+def published_serving_store(postgres_server, redis_server, tmp_path: Path) -> Settings:
     """A small real serving version kept as a deployment without a shared volume keeps it:
     the store in PostgreSQL, every user's prefix KV in Redis, the model and recall files
-    published into the database (``artifacts.store = database``). The refresh's home is
-    deleted afterwards, so nothing reaches a worker through files. Returns the ``GENREC_``
-    variables a worker on another host needs besides its own ``GENREC_HOME``."""
+    published into the database (``artifacts.store = database``). Returns the refresh
+    host's settings; its home holds what only the next refresh reads (model folder,
+    semantic-ID build), which a worker on another host never sees."""
     if postgres_server is None:
         pytest.skip("GENREC_TEST_SKIP_POSTGRES=1")
     database_url = postgres_server.create_database(f"genrec_{uuid.uuid4().hex[:12]}")
     redis = redis_server.settings(key_prefix=f"genrec:test:{uuid.uuid4().hex[:8]}")
-    home = tmp_path / "refresh-host"
-    build_small_serving_version(home, database_url=database_url, artifacts={"store": "database"},
-                                online={"kv_store": "redis"}, redis=redis)  # fmt: skip
-    shutil.rmtree(home)
-    env = {"GENREC_DATABASE_URL": database_url, "GENREC_ARTIFACTS__STORE": "database",
-           "GENREC_ONLINE__KV_STORE": "redis", "GENREC_REDIS__HOST": redis["host"],
-           "GENREC_REDIS__PORT": str(redis["port"]), "GENREC_REDIS__KEY_PREFIX": redis["key_prefix"]}  # fmt: skip
-    if redis.get("password"):
-        env["GENREC_REDIS__PASSWORD"] = redis["password"]
-    return env
+    return build_small_serving_version(
+        tmp_path / "refresh-host", database_url=database_url, artifacts={"store": "database"},
+        online={"kv_store": "redis"}, redis=redis,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

@@ -769,20 +769,48 @@ def test_cluster_broker_kill_9_at_least_once_counts_its_duplicates(
 # --- hosts that share no files (issue #20): only PostgreSQL, Redis and Kafka --------------
 
 
+def remote_worker_env(refresh_host: Settings) -> dict[str, str]:
+    """What a worker on another host shares with ``refresh_host``: database, Redis, stores."""
+    password = refresh_host.redis.password
+    return {
+        **({"GENREC_REDIS__PASSWORD": password.get_secret_value()} if password else {}),
+        "GENREC_DATABASE_URL": str(refresh_host.database_url),
+        "GENREC_ARTIFACTS__STORE": refresh_host.artifacts.store,
+        "GENREC_ONLINE__KV_STORE": refresh_host.online.kv_store,
+        "GENREC_REDIS__HOST": refresh_host.redis.host,
+        "GENREC_REDIS__PORT": str(refresh_host.redis.port),
+        "GENREC_REDIS__KEY_PREFIX": refresh_host.redis.key_prefix,
+    }
+
+
+def serving_version_of(worker: Worker) -> str:
+    """The KV version label of the serving version the worker's metrics say it serves."""
+    for line in worker.get("/metrics")[1].decode().splitlines():
+        if line.startswith("genrec_serving_version_info{") and line.endswith(" 1.0"):
+            return line.split('kv_version="', 1)[1].split('"', 1)[0]
+    return ""
+
+
 def test_workers_on_separate_homes_serve_prefix_kv_from_redis_and_fetched_artifacts(
-    published_serving_env, redis_server, kafka_broker, tmp_path, monkeypatch
+    published_serving_store, redis_server, kafka_broker, tmp_path, monkeypatch
 ) -> None:
     """Two `genrec serve` processes, each with its own empty GENREC_HOME, no file in common:
     the store is PostgreSQL, the prefix KV in Redis, and the model and recall files come
-    from the database into each home's cache (``artifacts.store = database``). Both answer
-    the cached users from their prefix KV."""
-    for name, value in published_serving_env.items():
+    from the database into each home's cache (``artifacts.store = database``), at start and
+    on the switch to the next refreshed version. Both answer cached users from prefix KV."""
+    from genrec.offline.refresh import run_refresh
+
+    refresh_host = published_serving_store
+    for name, value in remote_worker_env(refresh_host).items():
         monkeypatch.setenv(name, value)  # Worker passes its environment on
-    engine = make_engine(published_serving_env["GENREC_DATABASE_URL"])
-    active = active_serving_version(engine)
-    engine.dispose()
-    prefix = published_serving_env["GENREC_REDIS__KEY_PREFIX"]
+    engine = make_engine(refresh_host.database_url)
+    first = active_serving_version(engine)
+    prefix = refresh_host.redis.key_prefix
     assert sum(1 for _ in redis_server.client().scan_iter(match=f"{prefix}*")) >= SERVING_USERS
+    # The refresh host's volume is out of reach while the workers start: every path the
+    # database names (model_versions.artifact_dir, ...) is missing.
+    unmounted = refresh_host.home.with_name("refresh-host-unmounted")
+    refresh_host.home.rename(unmounted)
     kafka, group, sent, answers = fresh_stream(kafka_broker)
     homes = [tmp_path / f"host-{name}" for name in "ab"]
     workers = [Worker(home, kafka, group, tmp_path / f"{home.name}.log") for home in homes]
@@ -796,6 +824,15 @@ def test_workers_on_separate_homes_serve_prefix_kv_from_redis_and_fetched_artifa
                                      path="prefix_kv") > 0 for w in workers),
             180, "prefix-KV answers from both workers",
         )  # fmt: skip
+        unmounted.rename(refresh_host.home)
+        second = run_refresh(refresh_host.model_copy(update={
+            "refresh": refresh_host.refresh.model_copy(update={"semantic_ids": False,
+                                                            "retrain_target": False})}),
+            engine)  # fmt: skip
+        wanted = str(second.kv_version)
+        wait_for(lambda: all(serving_version_of(w) == wanted for w in workers), 120,
+                 "both workers on the new version")  # fmt: skip
+        time.sleep(2.0)
         stream.stop()
         answers.wait_answered(list(sent.sent), 120)
         texts = [w.get("/metrics")[1].decode() for w in workers]
@@ -805,19 +842,28 @@ def test_workers_on_separate_homes_serve_prefix_kv_from_redis_and_fetched_artifa
         for worker in workers:
             worker.stop(signal.SIGKILL)
         sent.close()
+        engine.dispose()
     for text in texts:  # each worker read caches from Redis, and Redis never failed it
         assert metric_value(text, "genrec_prefix_kv_lookups_total", result="store") > 0
         assert metric_value(text, "genrec_prefix_kv_lookups_total", result="unavailable") == 0
     assert answers.answers() == Counter({event_id: 1 for event_id in sent.sent})
-    for message in answers.messages:  # every streamed user has a cache in this version
+    versions = {
+        str(first.version): first.kv_version,
+        str(second.serving_version): second.kv_version,
+    }
+    for message in answers.messages:  # every streamed user has a cache in both versions
         assert message.decoding["path"] == "prefix_kv", message.decoding
-        assert message.decoding["serving_version"] == str(active.version)
-        assert message.decoding["kv_version"] == active.kv_version
+        assert versions[message.decoding["serving_version"]] == message.decoding["kv_version"]
         assert message.branches["generative"] and message.branches["itemcf"]
-    for home in homes:  # the files each worker loaded: its own verified copy
-        tree = home / "var" / "artifact_cache" / f"v{active.version:06d}"
-        assert (tree / "model" / "target" / "model.safetensors").is_file()
-        assert (tree / "recall" / "itemcf" / "manifest.json").is_file()
+    assert {m.decoding["serving_version"] for m in answers.messages} == set(versions)
+    for home in homes:  # the files each worker loaded: its own verified copies
+        for version in (first.version, second.serving_version):
+            tree = home / "var" / "artifact_cache" / f"v{version:06d}"
+            assert (tree / "model" / "target" / "model.safetensors").is_file()
+            assert (tree / "recall" / "itemcf" / "manifest.json").is_file()
         assert not (home / "var" / "prefix_kv").exists()  # no KV files: Redis holds them
         assert not (home / "var" / "genrec.db").exists()
+    published = second.counts["artifacts"]
+    print(f"version {second.serving_version} published {published}")  # the model: not again
+    assert published["new_bytes"] < published["bytes"] / 2
     answers.close()
