@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,20 +32,43 @@ def compose() -> dict:
 
 
 def k8s_documents() -> dict[str, dict]:
-    return {p.name: yaml.safe_load(p.read_text()) for p in sorted(K8S.glob("*.yaml"))}
+    """The first object of each manifest, by file name."""
+    return {p.name: next(yaml.safe_load_all(p.read_text())) for p in sorted(K8S.glob("*.yaml"))}
 
 
 def genrec_services() -> dict[str, dict]:
-    return {n: s for n, s in compose()["services"].items() if s.get("image") == "genrec:latest"}
+    """The Compose services that run a genrec command (not the Ray head: same image, ``ray``)."""
+    return {n: s for n, s in compose()["services"].items()
+            if s.get("image") == "genrec:latest" and "entrypoint" not in s}  # fmt: skip
 
 
-def containers() -> dict[str, dict]:
-    """Every genrec container of the Kubernetes manifests, by workload name."""
+def k8s_objects() -> list[dict]:
+    """Every object of the overlay's manifests (a file may hold several, ``---``)."""
+    return [doc for p in sorted(K8S.glob("*.yaml")) for doc in yaml.safe_load_all(p.read_text())]
+
+
+def pod_templates(doc: dict) -> dict[str, dict]:
+    """The pod templates of a workload, by a name: Deployment and Job, or a RayCluster's
+    head and worker groups."""
+    if doc["kind"] in ("Deployment", "Job"):
+        return {doc["metadata"]["name"]: doc["spec"]["template"]}
+    if doc["kind"] == "RayCluster":
+        name = doc["metadata"]["name"]
+        found = {f"{name}-head": doc["spec"]["headGroupSpec"]["template"]}
+        for group in doc["spec"].get("workerGroupSpecs", []):
+            found[f"{name}-{group['groupName']}"] = group["template"]
+        return found
+    return {}
+
+
+def containers(image: str = "genrec") -> dict[str, dict]:
+    """Every container of ``image`` in the Kubernetes manifests, by workload name."""
     found = {}
-    for doc in k8s_documents().values():
-        if doc["kind"] in ("Deployment", "Job"):
-            for container in doc["spec"]["template"]["spec"]["containers"]:
-                found[doc["metadata"]["name"]] = container
+    for doc in k8s_objects():
+        for name, template in pod_templates(doc).items():
+            for container in template["spec"]["containers"]:
+                if container["image"] == image:
+                    found[name] = container
     return found
 
 
@@ -57,19 +81,28 @@ def dockerfile_env() -> dict[str, str]:
 def test_every_command_is_a_genrec_command() -> None:
     parser = build_parser()
     commands = [s["command"] for s in genrec_services().values() if "command" in s]
-    commands += [c["args"] for c in containers().values()]
-    assert len(commands) >= 8
+    commands += [c["args"] for c in containers().values() if "args" in c]
+    # the RayJob's entrypoint is a shell line on the Ray head: `genrec ...`
+    [job] = [d for d in k8s_objects() if d["kind"] == "RayJob"]
+    program, *entrypoint = shlex.split(job["spec"]["entrypoint"])
+    assert program == "genrec"
+    commands.append(entrypoint)
+    assert len(commands) >= 9
     for command in commands:
         args = parser.parse_args(command)  # SystemExit on an unknown command or option
         assert getattr(args, "handler", None) is not None, command
 
 
 def test_every_genrec_variable_is_a_setting_and_valid(monkeypatch) -> None:
-    variables = dict(compose()["x-genrec"]["environment"])
+    # RAY_*: Ray's own (token authentication between the head and genrec's drivers)
+    variables = {k: v for k, v in compose()["x-genrec"]["environment"].items()
+                 if not k.startswith("RAY_")}  # fmt: skip
     variables["GENREC_DATABASE_URL"] = "postgresql+psycopg://genrec:pw@postgres:5432/genrec"
     docs = k8s_documents()
     variables |= docs["configmap.yaml"]["data"] | docs["secret.example.yaml"]["stringData"]
     variables |= {k: v for k, v in dockerfile_env().items() if k.startswith("GENREC_")}
+    for container in containers().values():  # values a pod sets itself (the Ray head's)
+        variables |= {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
     unknown = set(variables) - setting_names() - PROCESS_VARIABLES
     assert not unknown, f"not settings: {sorted(unknown)}"
     for name, value in variables.items():
@@ -77,6 +110,52 @@ def test_every_genrec_variable_is_a_setting_and_valid(monkeypatch) -> None:
     settings = Settings()  # raises on a value of the wrong type or choice
     assert settings.ingest.metrics_port == 9101 and settings.online.metrics_port == 9102
     assert settings.kafka.security_protocol == "SASL_SSL"
+    assert settings.online.kv_store == "redis" and settings.train.workers > 1
+
+
+def test_compose_has_redis_and_a_ray_head_the_refresh_reaches() -> None:
+    services = compose()["services"]
+    environment = compose()["x-genrec"]["environment"]
+    assert environment["GENREC_REDIS__HOST"] == "redis"
+    assert "--requirepass" in services["redis"]["command"]
+    policy = services["redis"]["command"].index("--maxmemory-policy")
+    assert services["redis"]["command"][policy + 1] == "noeviction"
+    head = services["ray-head"]
+    assert head["entrypoint"] == ["ray"] and head["command"][:2] == ["start", "--head"]
+    client_port = next(a for a in head["command"] if a.startswith("--ray-client-server-port="))
+    assert environment["GENREC_OFFLINE__RAY_ADDRESS"] == (
+        f"ray://ray-head:{client_port.split('=')[1]}"
+    )
+    # Ray Train's checkpoints come back through the artifact volume: the head mounts it too
+    assert head["volumes"] == compose()["x-genrec"]["volumes"]
+    for role in ("scheduler", "bootstrap"):
+        assert {"redis", "ray-head"} <= set(services[role].get("depends_on", {})), role
+    assert "redis" in services["serve"]["depends_on"]
+
+
+def test_k8s_has_redis_a_ray_cluster_and_a_refresh_rayjob() -> None:
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in k8s_objects() if "metadata" in d}
+    config = k8s_documents()["configmap.yaml"]["data"]
+    service = objects[("Service", "genrec-redis")]
+    assert config["GENREC_REDIS__HOST"] == service["metadata"]["name"]
+    redis = objects[("Deployment", "genrec-redis")]
+    assert service["spec"]["selector"] == redis["spec"]["selector"]["matchLabels"]
+    [container] = redis["spec"]["template"]["spec"]["containers"]
+    secret_keys = {e["valueFrom"]["secretKeyRef"]["key"] for e in container["env"]}
+    assert secret_keys == {"GENREC_REDIS__PASSWORD"}
+    assert secret_keys <= set(k8s_documents()["secret.example.yaml"]["stringData"])
+    cluster = objects[("RayCluster", "genrec-ray")]
+    job = objects[("RayJob", "genrec-refresh")]
+    assert job["spec"]["clusterSelector"] == {"ray.io/cluster": cluster["metadata"]["name"]}
+    # KubeRay names the head's service <cluster>-head-svc; 10001 is Ray Client's port
+    assert config["GENREC_OFFLINE__RAY_ADDRESS"] == "ray://genrec-ray-head-svc:10001"
+    head = containers()["genrec-ray-head"]
+    assert {"name": "client", "containerPort": 10001} in head["ports"]
+    # every Ray pod mounts the artifact volume at GENREC_HOME (Ray Train's checkpoints)
+    home = config["GENREC_HOME"]
+    for name, container in containers().items():
+        if name.startswith("genrec-ray"):
+            assert {"name": "data", "mountPath": home} in container["volumeMounts"], name
 
 
 def test_probes_and_scrape_ports_are_the_metrics_ports() -> None:
@@ -129,7 +208,9 @@ def test_the_image_installs_what_the_makefile_installs() -> None:
 def test_kustomization_lists_every_manifest_but_the_secret_example() -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     manifests = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
-    assert set(kustomization["resources"]) == manifests - {"secret.example.yaml"}
+    # the RayJob runs a refresh when created: applied on its own once there are events
+    applied_alone = {"secret.example.yaml", "refresh-rayjob.yaml"}
+    assert set(kustomization["resources"]) == manifests - applied_alone
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
@@ -138,8 +219,8 @@ def test_kubectl_renders_the_overlay() -> None:
         ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     kinds = [doc["kind"] for doc in yaml.safe_load_all(rendered)]
-    assert sorted(kinds) == ["ConfigMap", "Deployment", "Deployment", "Deployment", "Job",
-                             "PersistentVolumeClaim"]  # fmt: skip
+    assert sorted(kinds) == ["ConfigMap", "Deployment", "Deployment", "Deployment", "Deployment",
+                             "Job", "PersistentVolumeClaim", "RayCluster", "Service"]  # fmt: skip
 
 
 # --- monitoring: Prometheus and the Grafana dashboard (Compose) ---------------------------
