@@ -492,7 +492,10 @@ class OnlineWorker(BatchHandler):
         Revoked (still ours until the group rejoins): every batch in hand is finished,
         the acknowledged ones' offsets are returned for the caller to commit, and the
         rest, failed or not handed over, is left to the partitions' next owner. Lost
-        (the group moved on already): nothing of ours may be committed any more.
+        (the group moved on already): nothing of ours may be committed any more, and
+        nothing is remembered to read again: another member may have served those
+        partitions meanwhile, and kafka-python, which forgets a lost partition's
+        position, starts it again from its committed offset.
         """
         revoked = set(revoked)
         for partition in revoked:  # a stale offset must never be committed again
@@ -519,8 +522,9 @@ class OnlineWorker(BatchHandler):
         for polled in [*left, *self._open]:
             partition = _partition(polled.record)
             if partition in revoked:
-                offset = polled.record.offset
-                self._dropped[partition] = min(offset, self._dropped.get(partition, offset))
+                if not lost:  # a lost one restarts from its committed offset (docstring)
+                    offset = polled.record.offset
+                    self._dropped[partition] = min(offset, self._dropped.get(partition, offset))
             else:
                 kept.append(polled)
         self._open = kept
