@@ -194,6 +194,7 @@ def test_a_vanished_value_is_not_reused(redis_server: LocalRedis, tmp_path: Path
     assert set(store.entries(2)) == {"b"} and set(store.load_many(2, ["a", "b"], "m1")) == {"b"}
 
 
+@pytest.mark.integration  # starts a redis-server of its own
 def test_failed_writes_fail_the_batch(tmp_path: Path) -> None:
     with LocalRedis.start() as server:
         store = _store(server, tmp_path)
@@ -204,6 +205,7 @@ def test_failed_writes_fail_the_batch(tmp_path: Path) -> None:
         assert store.entries(1) == {}  # nothing indexed: the refresh fails, nothing activates
 
 
+@pytest.mark.integration  # starts a redis-server of its own
 def test_a_one_node_cluster_takes_every_command(tmp_path: Path) -> None:
     with LocalRedis.start(cluster=True) as server:
         store = _store(server, tmp_path, write_batch=2)
@@ -215,6 +217,7 @@ def test_a_one_node_cluster_takes_every_command(tmp_path: Path) -> None:
         assert store.garbage_collect([2]) == 1 and store.load_many(1, ["u0"], "m1") == {}
 
 
+@pytest.mark.integration  # starts a redis-server of its own
 def test_auth_is_required_and_never_logged(tmp_path: Path, caplog) -> None:
     secret = "s3cret-" + uuid.uuid4().hex
     with LocalRedis.start(password=secret) as server:
@@ -231,6 +234,7 @@ def test_auth_is_required_and_never_logged(tmp_path: Path, caplog) -> None:
     assert secret not in caplog.text + str(failure.value) + repr(store)
 
 
+@pytest.mark.integration  # starts a redis-server of its own
 def test_unreachable_redis_fails_fast_and_recovers(tmp_path: Path) -> None:
     with LocalRedis.start() as server:
         store = _store(server, tmp_path, retry_after_s=0.5)
