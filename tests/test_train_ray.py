@@ -69,6 +69,14 @@ def test_one_worker_needs_no_ray():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_cli_takes_the_number_of_workers():
+    from genrec.app.cli import build_parser
+
+    args = build_parser().parse_args(["offline", "train", "--workers", "4"])
+    assert args.workers == 4 and callable(args.handler)
+    assert build_parser().parse_args(["offline", "train"]).workers is None
+
+
 def test_more_workers_without_ray_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(UserFacingError, match=r"pip install 'genrec\[ray\]'"):

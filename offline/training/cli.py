@@ -13,6 +13,7 @@ Example::
     $ genrec offline train --preset smollm2-135m --max-steps 50   # a short CPU schedule
     $ genrec offline train --drafts-only                         # re-align to the active target
     $ genrec offline train --train-only   # no final fit on validation items (honest valid HR)
+    $ genrec offline train --workers 4    # 4 data-parallel Ray Train workers (train.workers)
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
                              "genrec eval --tune-merge")  # fmt: skip
     parser.add_argument("--drafts-only", action="store_true",
                         help="keep the active target, re-train and re-align the drafts")  # fmt: skip
+    parser.add_argument("--workers", type=int, default=None,
+                        help="data-parallel training workers (default: train.workers; more "
+                             "than 1 runs on Ray Train, offline.ray_address)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(handler=_run)
 
@@ -52,6 +56,9 @@ def _run(args: argparse.Namespace) -> int:
     from genrec.offline.training.run import train_models
 
     settings = get_settings()
+    if args.workers is not None:
+        train = settings.train.model_copy(update={"workers": max(1, args.workers)})
+        settings = settings.model_copy(update={"train": train})
     engine = make_engine(settings.database_url)
     version, metrics = train_models(
         settings, engine, preset_name=args.preset, train_target_model=not args.drafts_only,
