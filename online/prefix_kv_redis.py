@@ -28,9 +28,10 @@ user set with ``SSCAN`` and ``UNLINK``s ``redis.write_batch`` keys per pipeline
 (bounded memory whatever the number of users; ``UNLINK`` frees in the background).
 
 Reads fail fast (``redis.socket_timeout_s``, ``connect_timeout_s``): an unreachable or
-stalled Redis raises ``KVStoreUnavailable``, the worker serves those users from their
-prompts, and for ``redis.retry_after_s`` the store answers so at once instead of waiting
-on every batch; then it tries again, so serving recovers by itself when Redis is back.
+stalled Redis (or any Redis error) raises ``KVStoreUnavailable``, the worker serves those
+users from their prompts, and for ``redis.retry_after_s`` the store answers so at once
+instead of waiting on every batch; then it tries again, so serving recovers by itself
+when Redis is back.
 Writes (the refresh) wait up to ``redis.write_timeout_s``.
 
 Memory: one version holds ``users x bytes per user`` (``refresh.kv_budget_mb`` bounds it)
@@ -58,9 +59,7 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisClusterException, RedisError
 from redis.retry import Retry
 from sqlalchemy import Engine
 
@@ -79,7 +78,10 @@ from genrec.online.prefix_kv_store import (
 log = logging.getLogger(__name__)
 
 ENTRY_FIELD, KV_FIELD = "entry", "kv"
-UNREACHABLE = (RedisConnectionError, RedisTimeoutError)  # BusyLoadingError is a ConnectionError
+# What makes a read "unavailable" (serve from the prompt): not only a refused connection
+# or a timeout but any Redis error (a failed AUTH, a cluster without a quorum, a server
+# still loading): a worker must keep answering, and its log says which it was.
+UNREACHABLE = (RedisError, RedisClusterException)
 
 
 class RedisKeys:
@@ -245,10 +247,18 @@ class RedisKVStore(IndexedKVStore):
         answers = self._read(
             lambda pipe: [pipe.hget(self.keys.user(int(kv_version), u), ENTRY_FIELD) for u in users]
         )
-        return {u: _parse_entry(raw) for u, raw in zip(users, answers, strict=True) if raw}
+        found = {}
+        for user_id, raw in zip(users, answers, strict=True):
+            if isinstance(raw, Exception):
+                log.warning("prefix KV entry of user %s unreadable: %s", user_id, raw)
+            elif raw:
+                found[user_id] = _parse_entry(raw)
+        return found
 
     def load(self, entry: PrefixKVEntry, expected_model_version: Any) -> PrefixKV:
         data = self._read(lambda pipe: [pipe.hget(entry.path, KV_FIELD)])[0]
+        if isinstance(data, Exception):
+            raise data
         if data is None:
             raise FileNotFoundError(f"prefix KV of user {entry.user_id!r} is missing: {entry.path}")
         return _parse_kv(data, expected_model_version, entry.path)
@@ -261,7 +271,11 @@ class RedisKVStore(IndexedKVStore):
         keys = [self.keys.user(int(kv_version), u) for u in users]
         answers = self._read(lambda pipe: [pipe.hmget(k, ENTRY_FIELD, KV_FIELD) for k in keys])
         loaded: dict[str, LoadedKV] = {}
-        for user_id, key, (raw_entry, data) in zip(users, keys, answers, strict=True):
+        for user_id, key, answer in zip(users, keys, answers, strict=True):
+            if isinstance(answer, Exception):  # e.g. WRONGTYPE: this key, not the batch
+                loaded[user_id] = answer
+                continue
+            raw_entry, data = answer
             if raw_entry is None:
                 continue
             try:
@@ -274,14 +288,15 @@ class RedisKVStore(IndexedKVStore):
         return loaded
 
     def _read(self, queue) -> list[Any]:
-        """Run the commands ``queue(pipe)`` adds as one pipeline on the reader; an
-        unreachable Redis raises ``KVStoreUnavailable`` (at once for ``retry_after_s``)."""
+        """Run the commands ``queue(pipe)`` adds as one pipeline on the reader; a Redis
+        that fails it raises ``KVStoreUnavailable`` (and at once for ``retry_after_s``).
+        A command's own error (one damaged key) is its answer instead."""
         if time.monotonic() < self._down_until:
             raise KVStoreUnavailable(f"Redis at {self.where} was unreachable moments ago")
         pipe = self._pipeline(self.reader)
         queue(pipe)
         try:
-            return pipe.execute()
+            return pipe.execute(raise_on_error=False)
         except UNREACHABLE as exc:
             self._down_until = time.monotonic() + self.retry_after_s
             raise KVStoreUnavailable(f"Redis at {self.where}: {type(exc).__name__}: {exc}") from exc
@@ -313,7 +328,7 @@ class RedisKVStore(IndexedKVStore):
         self._drop_index(kv_version)
         try:
             self._delete_keys(kv_version)
-        except RedisError as exc:
+        except UNREACHABLE as exc:
             log.warning("prefix KV version %d left in Redis for the next collection: %s",
                         kv_version, exc)  # fmt: skip
 
@@ -330,8 +345,8 @@ class RedisKVStore(IndexedKVStore):
     def _user_digests(self, kv_version: int) -> Iterator[list[str]]:
         """The version's user digests, ``write_batch`` at a time (SSCAN: no full read).
 
-        Deleting while scanning is safe: the set itself is only removed at the end, and
-        SSCAN returns every member present throughout the scan."""
+        The set does not change while it is scanned (only the user keys are unlinked; the
+        set goes last), and SSCAN returns every member present throughout a scan."""
         batch: list[str] = []
         name = self.keys.version_users(kv_version)
         for member in self.writer.sscan_iter(name, count=self.write_batch):

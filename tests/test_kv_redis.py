@@ -147,6 +147,12 @@ def test_batch_load_equals_the_local_backend(redis_server: LocalRedis, tmp_path:
     assert store.sizes(5)["users"] == 8 == len(store.entries(5, user_ids=list(written)))
     stale = store.load_many(5, ["user-1"], expected_model_version="m2")["user-1"]
     assert isinstance(stale, ModelVersionMismatch)
+    # a damaged key is that user's error; the rest of the batch loads
+    redis_server.client().set(store.keys.user(5, "user-2"), b"not a hash")
+    damaged = store.load_many(5, ["user-1", "user-2"], expected_model_version="m1")
+    assert isinstance(damaged["user-2"], Exception) and _same(
+        damaged["user-1"][1], written["user-1"]
+    )
 
 
 def test_one_round_trip_per_batch(redis_server: LocalRedis, tmp_path: Path) -> None:
