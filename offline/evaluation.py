@@ -17,6 +17,11 @@ Traditional branches are fitted on everything before the predicted item: on the
 training sequences for validation cases, on training + validation items for test
 cases.
 
+The generative lists (target and each draft) are decoded in batches of cases of similar
+prompt length (``generative_lists``); each batch is a page of ``offline.executor``: here,
+or on Ray actors that load the active version from its artifact folder. The batches are
+the same either way, and so are the lists.
+
 Example::
 
     >>> from genrec.offline.splits import Case
@@ -35,6 +40,14 @@ from typing import Any
 
 from genrec.infra.errors import UserFacingError
 from genrec.ingest.history import load_item_ids, load_user_histories
+from genrec.offline.executor import (
+    Executor,
+    LocalExecutor,
+    batches,
+    load_version_models,
+    make_executor,
+    model_artifact_dir,
+)
 from genrec.offline.recall import BRANCHES, fit_branches, semantic_id_embeddings
 from genrec.offline.splits import Case, leave_one_out
 from genrec.online.branches import RecallBranch
@@ -327,8 +340,9 @@ def run_protocol(
     agreement: dict[str, Any] = {}
     if models is not None:
         lists["generative"], results["generative"], drafts, agreement = _generative_rankers(
-            models, test_cases, ks, recall.eval_batch_size, exclude, progress
-        )
+            models, test_cases, ks, recall.eval_batch_size, exclude, progress,
+            _executor_and_folder(settings, engine, models),
+        )  # fmt: skip
 
     weights = dict(recall.merge_weights)
     if tune_merge:
@@ -356,26 +370,97 @@ def run_protocol(
     return report
 
 
-def _generative_rankers(models, cases, ks, batch_size: int, exclude_seen: bool, progress: bool):
-    """The target's list and metrics, each draft's metrics, and the drafts' agreement."""
+def _generative_rankers(models, cases, ks, batch_size: int, exclude_seen: bool, progress: bool,
+                        where: tuple[Executor, str | None] | None = None):  # fmt: skip
+    """The target's list and metrics, each draft's metrics, and the drafts' agreement.
+    ``where``: the executor and the version's artifact folder its workers load."""
     # the models' module loads torch: imported only when there are models to evaluate
-    from genrec.online.models.generative import draft_agreement, recommend_generative
+    from genrec.online.models.generative import draft_agreement
 
     k = max(ks)
-    options = {"batch_size": batch_size, "progress": progress, "exclude_history": exclude_seen}
-    rows = recommend_generative(models, cases, k, which="target", **options)
+    executor, folder = where or (LocalExecutor(), None)
+    lists = generative_lists(models, cases, k, ["target", *models.drafts], batch_size=batch_size,
+                             exclude_seen=exclude_seen, executor=executor, folder=folder,
+                             progress=progress)  # fmt: skip
+    rows = lists.pop("target")
     results = evaluate_rankings(rows, cases, ks, exclude_seen=exclude_seen)
     drafts = {
-        variant: evaluate_rankings(
-            recommend_generative(models, cases, k, which=variant, **options),
-            cases,
-            ks,
-            exclude_seen=exclude_seen,
-        )
-        for variant in models.drafts
+        variant: evaluate_rankings(variant_rows, cases, ks, exclude_seen=exclude_seen)
+        for variant, variant_rows in lists.items()
     }
     agreement = draft_agreement(models, cases, k, batch_size=batch_size)
     return rows, results, drafts, agreement
+
+
+def generative_lists(
+    models,
+    cases: Sequence[Case],
+    k: int,
+    which: Sequence[str] = ("target",),
+    *,
+    batch_size: int = 64,
+    exclude_seen: bool = True,
+    executor: Executor | None = None,
+    folder: str | None = None,
+    progress: bool = False,
+) -> dict[str, list[list[Recommendation]]]:
+    """Per model in ``which`` (``target``, draft names), its top-``k`` list per case.
+
+    Here (the default executor): one ``recommend_generative`` call per model, which
+    decodes the cases in batches of ``batch_size`` by prompt length. Remote: those same
+    batches are the pages, each decoded by every model on a worker that loaded the version
+    from ``folder`` (its artifact folder; without one the batches run here).
+    """
+    from genrec.online.models.generative import recommend_generative
+
+    executor = executor or LocalExecutor()
+    if executor.remote and folder is None:
+        log.warning("eval: model version %s has no artifact folder for Ray workers; "
+                    "decoding here", models.version)  # fmt: skip
+        executor = LocalExecutor()
+    if not executor.remote:  # the same batches, all in one call per model
+        options = {"batch_size": batch_size, "progress": progress, "exclude_history": exclude_seen}
+        return {name: recommend_generative(models, cases, k, which=name, **options)
+                for name in which}  # fmt: skip
+    lengths = [len(models.prompt(case.history)) for case in cases]
+    order = sorted(range(len(cases)), key=lambda i: lengths[i])
+    pages = batches(order, batch_size)
+    plan = (list(which), k, exclude_seen, models.beam_width)
+    pool = executor.pool("eval", load_version_models, folder, threads=_torch_threads(),
+                         pages_hint=len(pages))  # fmt: skip
+    lists: dict[str, list] = {name: [None] * len(cases) for name in which}
+    with pool:
+        work = (([cases[i] for i in rows], plan) for rows in pages)
+        done = pool.map(_generative_page, work, desc="generative ranking", unit="batch",
+                        total=len(pages), progress=progress)  # fmt: skip
+        for rows, page_lists in zip(pages, done, strict=True):
+            for name, page_rows in page_lists.items():
+                for i, ranked in zip(rows, page_rows, strict=True):
+                    lists[name][i] = ranked
+    return lists
+
+
+def _generative_page(models, page: tuple) -> dict[str, list[list[Recommendation]]]:
+    """One batch of cases decoded by every model of the plan (a pool page)."""
+    from genrec.online.models.generative import recommend_generative
+
+    cases, (which, k, exclude_seen, beam_width) = page
+    options = {"exclude_history": exclude_seen, "beam_width": beam_width, "batch_size": len(cases)}
+    return {name: recommend_generative(models, cases, k, which=name, **options) for name in which}
+
+
+def _executor_and_folder(settings, engine, models) -> tuple[Executor, str | None]:
+    """``offline.executor``, and the version folder its remote workers load (else None)."""
+    executor = make_executor(settings)
+    if not executor.remote:
+        return executor, None
+    return executor, model_artifact_dir(engine, models.version)
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _repeat_note(cases: Sequence[Case], exclude_seen: bool) -> str:
@@ -441,12 +526,11 @@ def _tuned_weights(
         name: branch_ranker(branches[name], stamps, exclude_seen)(cases, depth) for name in BRANCHES
     }
     if models is not None:
-        from genrec.online.models.generative import recommend_generative
-
-        generated = recommend_generative(
-            models, cases, k, exclude_history=exclude_seen,
-            batch_size=recall.eval_batch_size, progress=progress,
-        )  # fmt: skip
+        executor, folder = _executor_and_folder(settings, engine, models)
+        generated = generative_lists(
+            models, cases, k, exclude_seen=exclude_seen, batch_size=recall.eval_batch_size,
+            executor=executor, folder=folder, progress=progress,
+        )["target"]  # fmt: skip
         lists = {"generative": generated, **lists}
     return tune_merge_weights(lists, cases, k, recall, exclude_seen=exclude_seen)
 

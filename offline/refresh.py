@@ -11,7 +11,9 @@ A run, under the cross-process lock ``offline-refresh``:
    when present, stored in ``refresh.kv_dtype``) into the KV store under a new KV
    version, reusing last version's file where model and prompt are unchanged; under
    ``refresh.kv_budget_mb`` users are taken newest first until the next one would not
-   fit (``KVBudget``),
+   fit (``KVBudget``); the batches run where ``offline.executor`` says: in this
+   process, or on Ray actors that load the model version's target (the same batches,
+   the same caches; the store is written here, through the ``KVStore`` interface),
 5. with ``artifacts.store = database``, publishes the version's model and recall files
    into the database (``genrec.online.serving_artifacts``) for workers on other hosts,
 6. activates the new serving version (semantic-ID, model, KV versions) in one
@@ -48,7 +50,6 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, func, insert, select, update
 
-from genrec.infra.progress import progress_bar
 from genrec.infra.serving_versions import (
     activate,
     active_serving_version,
@@ -63,6 +64,13 @@ from genrec.ingest.history import (
     users_newest_first,
 )
 from genrec.offline.artifact_gc import collect_old_versions, collect_published_artifacts
+from genrec.offline.executor import (
+    load_version_target,
+    make_executor,
+    model_artifact_dir,
+    placed_model,
+    sendable_model,
+)
 from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.run_lock import RunLock
 from genrec.online.prefix_kv_store import (
@@ -145,6 +153,17 @@ def compute_prefix_kv(model, prompts: list[list[int]], model_version: str) -> li
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def prefix_kv_batch(target, task: tuple) -> list:
+    """One batch of the prefix-KV step, a page of the executor's pool (here or on a Ray
+    actor): ``task`` is (prompts, model version, dtype, compute, to_cpu); returns the
+    caches in ``dtype``, None where float16 cannot hold one (``cast_prefix_kvs``)."""
+    prompts, model_version, dtype, compute, to_cpu = task
+    cast = cast_prefix_kvs(compute(target, prompts, model_version), dtype)
+    if to_cpu:  # results travel back to the driver: never as GPU tensors
+        cast = [None if kv is None else kv.to("cpu") for kv in cast]
+    return cast
 
 
 def cast_prefix_kvs(prefix_kvs: list, dtype: str) -> list:
@@ -285,6 +304,8 @@ class _Run:
         self.counts: dict[str, Any] = {"step_seconds": {}}
         self.cancel = threading.Event()
         self.activated = False
+        self._kv_pool = None  # the prefix-KV step's workers, started at its first batch
+        self._kv_pool_remote = False
         self.budget_order = "newest_first"  # "user_id": only the bench's baseline
 
     def execute(self, trigger: str, cancel: threading.Event) -> RefreshReport:
@@ -392,12 +413,17 @@ class _Run:
         budget = KVBudget.from_mb(config.kv_budget_mb)
         totals = {"users": 0, "computed": 0, "reused": 0, "skipped_budget": 0,
                   "skipped_dtype": 0}  # fmt: skip
-        for histories in self._kv_pages(cutoff_row, budget, totals):
-            self._check_cancel()
-            old = {}
-            if reuse_from is not None:
-                old = self.store.entries(reuse_from, user_ids=list(histories))
-            self._precompute_page(models, kv_version, histories, old, budget, totals)
+        try:
+            for histories in self._kv_pages(cutoff_row, budget, totals):
+                self._check_cancel()
+                old = {}
+                if reuse_from is not None:
+                    old = self.store.entries(reuse_from, user_ids=list(histories))
+                self._precompute_page(models, kv_version, histories, old, budget, totals)
+        finally:
+            if self._kv_pool is not None:
+                self._kv_pool.close()
+                self._kv_pool = None
         skipped_window = 0
         if config.active_days is not None:
             skipped_window = count_inactive_users(
@@ -469,11 +495,15 @@ class _Run:
         batch_size, dtype = self.settings.refresh.kv_batch_size, self.settings.refresh.kv_dtype
         batches = [todo[i : i + batch_size] for i in range(0, len(todo), batch_size)]
         unstorable = 0
-        for batch in progress_bar(batches, desc="prefix KV", unit="batch", leave=False):
+        if not batches:
+            return 0
+        pool = self._kv_workers(models)
+        compute, to_cpu = self.steps.compute_prefix_kv, self._kv_pool_remote
+        tasks = (([p for _e, p in b], model_version, dtype, compute, to_cpu) for b in batches)
+        results = pool.map(prefix_kv_batch, tasks, desc="prefix KV", unit="batch",
+                           total=len(batches))  # fmt: skip
+        for batch, cast in zip(batches, results, strict=True):
             self._check_cancel()
-            prompts = [prompt for _entry, prompt in batch]
-            prefix_kvs = self.steps.compute_prefix_kv(models.target, prompts, model_version)
-            cast = cast_prefix_kvs(prefix_kvs, dtype)
             pairs = [(e, kv) for (e, _p), kv in zip(batch, cast, strict=True) if kv is not None]
             unstorable += len(batch) - len(pairs)
             self.store.put_many(kv_version, pairs)
@@ -483,6 +513,24 @@ class _Run:
                         "those users are served from the prompt (refresh.kv_dtype = "
                         "bfloat16 keeps them)", unstorable)  # fmt: skip
         return unstorable
+
+    def _kv_workers(self, models):
+        """The executor's pool for the prefix-KV batches, started once per run: this process
+        with the loaded target, or Ray actors that load the version's target from its
+        artifact folder (a model never saved travels to them instead)."""
+        if self._kv_pool is None:
+            executor = make_executor(self.settings)
+            self._kv_pool_remote = executor.remote
+            build, args = load_version_target, ()
+            if executor.remote:
+                folder = model_artifact_dir(self.engine, models.version)
+                if folder is not None:
+                    args = (folder,)
+                else:
+                    build, args = placed_model, (sendable_model(models.target),)
+            self._kv_pool = executor.pool("prefix-kv", build, *args, local=models.target,
+                                          threads=self.settings.refresh.torch_threads)  # fmt: skip
+        return self._kv_pool
 
     def _activate(self, job_run_id, version, semantic_id_version, model_version) -> None:
         """The one transaction that makes the new version visible (and checks we still own it)."""

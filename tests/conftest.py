@@ -20,7 +20,7 @@ from genrec.app.kafka_broker import KafkaBroker, KafkaCluster, pick_free_ports
 from genrec.app.postgres import LocalPostgres, PostgresUnavailable
 from genrec.app.redis_server import LocalRedis
 from genrec.infra.database import make_engine
-from genrec.infra.settings import KafkaSettings, Settings
+from genrec.infra.settings import KafkaSettings, OfflineSettings, Settings
 from genrec.ingest.movielens import load_ml100k, store_ml100k
 from genrec.offline.recall import fit_store_branches, save_branches
 from genrec.offline.refresh import run_refresh
@@ -39,6 +39,7 @@ FIXTURE_MARKERS = {
     "postgres_server": "integration",
     "redis_server": "integration",
     "serving_home": "slow",
+    "ray_cluster": "integration",
 }
 
 
@@ -266,3 +267,22 @@ def serving_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("serving-home")
     build_small_serving_version(home)
     return home
+
+
+# --- ray --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[OfflineSettings]:
+    """A real local Ray cluster for the whole run (2 CPUs, 256 MiB object store, no
+    dashboard), started in this process by ``connect_ray`` and stopped at the end. Returns
+    ``OfflineSettings`` with ``executor = "ray"`` that reach it (``connect_ray`` keeps an
+    initialized connection); give them to ``Settings(offline=...)``, with overrides. One
+    actor per pool (``actors = 1``): each starts a process that imports torch and loads a
+    model, seconds on 2 shared cores; a test of several actors overrides it."""
+    from genrec.offline.ray_cluster import connect_ray, shutdown_ray  # Ray: only when used
+
+    offline = OfflineSettings(executor="ray", local_cpus=2, local_object_store_mb=256, actors=1)
+    connect_ray(offline)
+    yield offline
+    shutdown_ray()

