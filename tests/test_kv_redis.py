@@ -259,3 +259,34 @@ def test_unreachable_redis_fails_fast_and_recovers(tmp_path: Path) -> None:
             os.kill(server.process.pid, signal.SIGCONT)
         time.sleep(0.6)
         assert set(store.load_many(1, ["u"], "m1")) == {"u"}
+
+
+# --- unit: the worker's LRU in front of a batch-reading store --------------------------
+
+
+class BatchStore:
+    """Answers ``load_many`` from a dict; ``down`` makes it unreachable."""
+
+    def __init__(self, users: set[str]) -> None:
+        self.users, self.down, self.calls = users, False, []
+
+    def load_many(self, kv_version, user_ids, expected_model_version):
+        self.calls.append(list(user_ids))
+        if self.down:
+            raise KVStoreUnavailable("gone")
+        return {u: (f"entry-{u}", f"kv-{u}") for u in user_ids if u in self.users}
+
+
+def test_lru_reads_a_batchs_misses_at_once_and_forgets_an_outage() -> None:
+    from genrec.online.recommender import PrefixKVCache
+
+    store, cache = BatchStore({"a", "b"}), PrefixKVCache(size=10)
+    found, down = cache.get_many(store, 1, ["a", "b", "c", "a"], "m1")
+    assert set(found) == {"a", "b"} and not down and store.calls == [["a", "b", "c"]]
+    store.down = True
+    found, down = cache.get_many(store, 1, ["a", "c", "d", "e"], "m1")
+    assert set(found) == {"a"} and down == {"d", "e"}  # c: a remembered miss
+    assert store.calls[-1] == ["d", "e"]
+    store.down, store.users = False, {"a", "b", "d"}
+    found, down = cache.get_many(store, 1, ["d", "e"], "m1")  # the outage was not remembered
+    assert set(found) == {"d"} and not down and store.calls[-1] == ["d", "e"]
