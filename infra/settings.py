@@ -296,6 +296,9 @@ class SemanticIdSettings(BaseModel):
     levels: int = 3
     codes_per_level: int = 256
     dedup_codes: int = 32  # size of the last (dedup) level; fixed so refreshes keep the layout
+    # Each item takes the nearest last-level code no other item holds before a dedup code:
+    # look-alike rare items get distinct L codes (see rqvae.assign_balanced_ids).
+    balanced_last_level: bool = True
     latent_dim: int = 32
     hidden_dims: tuple[int, ...] = (256, 128)
     epochs: int = 150  # ML-100K: the loss is flat after ~100 epochs

@@ -8,6 +8,7 @@ from genrec.offline.semantic_ids.rqvae import (
     RQVAE,
     DedupOverflowError,
     RQVAEConfig,
+    assign_balanced_ids,
     assign_unique_ids,
     kmeans,
     reset_dead_codes,
@@ -84,6 +85,53 @@ def test_dedup_numbers_collisions_and_moves_overflow():
     assert ids.tolist() == [[1, 2, 5, 1]] and moved == 0
     with pytest.raises(DedupOverflowError, match="dedup_codes"):
         assign_unique_ids(candidates[:, :1], prefixes, dedup_codes=3)
+
+
+def crowded_catalog(n_identical=150, n_spread=850, codes=256, dim=8, seed=0):
+    """One crowd of identical vectors (rare items seen by the same user) plus spread items,
+    as (prefixes, ranked candidates, last-level residuals, last codebook)."""
+    rng = np.random.default_rng(seed)
+    codebook = rng.standard_normal((codes, dim)).astype(np.float32)
+    residuals = rng.standard_normal((n_identical + n_spread, dim)).astype(np.float32)
+    residuals[:n_identical] = residuals[0]
+    prefixes = rng.integers(0, 16, (len(residuals), 2))
+    prefixes[:n_identical] = (1, 2)
+    distances = ((residuals[:, None, :] - codebook[None]) ** 2).sum(axis=2)
+    candidates = np.argsort(distances, axis=1, kind="stable")[:, :16]
+    return prefixes, candidates, residuals, codebook
+
+
+def collision_rate(ids: np.ndarray) -> float:
+    return 1.0 - len({tuple(row) for row in ids[:, :-1].tolist()}) / len(ids)
+
+
+def test_balanced_assignment_splits_a_crowded_prefix():
+    prefixes, candidates, residuals, codebook = crowded_catalog()
+    before, _ = assign_unique_ids(candidates, prefixes, dedup_codes=32)
+    assert collision_rate(before) > 0.15  # the crowd of 150 fills 5 last codes x 32 slots
+    ids, moved = assign_balanced_ids(prefixes, candidates, residuals, codebook, dedup_codes=32)
+    assert len({tuple(row) for row in ids.tolist()}) == len(ids)
+    assert collision_rate(ids) <= 0.05
+    assert (ids[:, :2] == prefixes).all()  # only the last RQ level moves
+    assert len({tuple(row) for row in ids[:150, :3].tolist()}) == 150  # the crowd is split
+    assert moved >= 149
+    again, _ = assign_balanced_ids(prefixes, candidates, residuals, codebook, dedup_codes=32)
+    assert (again == ids).all()  # deterministic
+
+
+def test_balanced_assignment_nearest_first_taken_and_overflow():
+    codebook = np.array([[0.0], [1.0], [2.0], [3.0]], dtype=np.float32)
+    residuals = np.array([[0.4], [0.1], [0.2]], dtype=np.float32)
+    candidates = np.array([[0, 1], [0, 1], [0, 1]])
+    prefixes = np.array([[7], [7], [7]])
+    ids, moved = assign_balanced_ids(prefixes, candidates, residuals, codebook, dedup_codes=2)
+    # Row 1 is nearest to code 0 and keeps it; the others take the next free codes.
+    assert ids.tolist() == [[7, 2, 0], [7, 0, 0], [7, 1, 0]] and moved == 2
+    taken = {(7, 0, 0), (7, 1, 0), (7, 2, 0), (7, 3, 0)}  # a refresh: all codes held once
+    ids, _ = assign_balanced_ids(prefixes[:1], candidates[:1], residuals[:1], codebook, 2, taken)
+    assert ids.tolist() == [[7, 0, 1]]
+    with pytest.raises(DedupOverflowError, match="dedup_codes"):
+        assign_balanced_ids(prefixes, candidates, residuals, codebook, dedup_codes=1, taken=taken)
 
 
 def test_bad_embeddings_are_refused():

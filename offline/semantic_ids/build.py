@@ -61,7 +61,13 @@ from genrec.offline.semantic_ids.faiss_index import (
     residual_codes,
     save_index,
 )
-from genrec.offline.semantic_ids.rqvae import RQVAE, RQVAEConfig, assign_unique_ids, train_rqvae
+from genrec.offline.semantic_ids.rqvae import (
+    RQVAE,
+    RQVAEConfig,
+    assign_balanced_ids,
+    assign_unique_ids,
+    train_rqvae,
+)
 from genrec.offline.splits import load_split
 from genrec.schemas.tables import semantic_id_items, semantic_id_versions
 from genrec.schemas.token_layout import TokenLayout
@@ -271,7 +277,9 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
     timings["train_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    ids, raw_codes, moved, new_items = _assign_ids(model, embeddings, layout, old)
+    ids, raw_codes, moved, new_items = _assign_ids(
+        model, embeddings, layout, old, balanced=config.balanced_last_level
+    )
     timings["assign_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -346,14 +354,20 @@ def _rqvae_config(config, input_dim: int) -> RQVAEConfig:
 
 
 def _assign_ids(
-    model: RQVAE, embeddings: ItemEmbeddings, layout: TokenLayout, old: SemanticIdSet | None
+    model: RQVAE,
+    embeddings: ItemEmbeddings,
+    layout: TokenLayout,
+    old: SemanticIdSet | None,
+    *,
+    balanced: bool = True,
 ):
-    """(unique IDs [n, L+1], raw RQ codes [n, L], items moved, new items); old items keep theirs."""
+    """(unique IDs [n, L+1], nearest RQ codes [n, L], items moved, new items); old items keep
+    theirs. ``balanced``: a new item takes the nearest free last-level code before a dedup code
+    (``assign_balanced_ids``)."""
     with torch.no_grad():
         latent = model.encoder(torch.from_numpy(embeddings.vectors)).numpy()
-    raw_codes, candidates = residual_codes(
-        latent, model.codebooks.detach().numpy(), LAST_LEVEL_CANDIDATES
-    )
+    codebooks = model.codebooks.detach().numpy()
+    raw_codes, candidates = residual_codes(latent, codebooks, LAST_LEVEL_CANDIDATES)
     dedup_codes = layout.codes_per_level[-1]
     ids = np.zeros((len(raw_codes), layout.depth), dtype=np.int64)
     if old is None:
@@ -368,7 +382,14 @@ def _assign_ids(
         fresh = np.flatnonzero(~kept)
         # IDs of items that left the catalog stay reserved: a model may still emit them.
         taken = {tuple(row) for row in old.codes.tolist()}
-    new_ids, moved = assign_unique_ids(candidates[fresh], raw_codes[fresh, :-1], dedup_codes, taken)
+    prefixes = raw_codes[fresh, :-1]
+    if balanced:
+        residual = latent[fresh] - codebooks[np.arange(len(codebooks) - 1), prefixes].sum(axis=1)
+        new_ids, moved = assign_balanced_ids(
+            prefixes, candidates[fresh], residual, codebooks[-1], dedup_codes, taken
+        )
+    else:
+        new_ids, moved = assign_unique_ids(candidates[fresh], prefixes, dedup_codes, taken)
     ids[fresh] = new_ids
     return ids, raw_codes, moved, len(fresh) if old is not None else 0
 
@@ -401,10 +422,16 @@ def quality_report(
     ids: np.ndarray,
     layout: TokenLayout,
 ) -> dict:
-    """Reconstruction, codebook usage, collisions before dedup, prefix similarity."""
+    """Reconstruction, codebook usage, collisions before dedup, prefix similarity.
+
+    Collisions before dedup: items whose ID shares its L codes (all but the dedup code)
+    with another item's; ``nearest_code_*`` the same for the nearest codes, i.e. before
+    the balanced last-level assignment moved items to free codes.
+    """
     x = torch.from_numpy(embeddings.vectors)
     n = len(raw_codes)
-    groups = Counter(map(tuple, raw_codes.tolist()))
+    groups = Counter(map(tuple, ids[:, :-1].tolist()))
+    nearest_groups = Counter(map(tuple, raw_codes.tolist()))
     usage = []
     for level, size in enumerate(layout.codes_per_level):
         counts = np.bincount(ids[:, level], minlength=size)
@@ -430,6 +457,8 @@ def quality_report(
         "collision_rate_before_dedup": 1.0 - len(groups) / n,
         "items_in_collisions": sum(c for c in groups.values() if c > 1) / n,
         "largest_collision_group": max(groups.values()),
+        "nearest_code_collision_rate": 1.0 - len(nearest_groups) / n,
+        "nearest_code_largest_group": max(nearest_groups.values()),
         "prefix_similarity": {
             "random_pairs": mean_pair_cosine(embeddings.vectors, np.zeros(n, dtype=np.int64)),
             "same_first_code": mean_pair_cosine(embeddings.vectors, raw_codes[:, 0]),

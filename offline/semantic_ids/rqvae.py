@@ -256,3 +256,68 @@ def assign_unique_ids(
                 "with --full"
             )
     return ids, moved
+
+
+def assign_balanced_ids(
+    prefixes: np.ndarray,
+    candidates: np.ndarray,
+    last_residuals: np.ndarray,
+    last_codebook: np.ndarray,
+    dedup_codes: int,
+    taken: set[tuple[int, ...]] | None = None,
+) -> tuple[np.ndarray, int]:
+    """Unique IDs of length L+1 where each full L-code prefix holds one item when it can.
+
+    Identical or near-identical vectors (rare items seen by the same few users) land
+    on the same L codes; numbering them on the dedup level makes the model tell
+    them apart by an arbitrary code. Here each item instead takes the nearest
+    *unoccupied* last-level code under its L-1 prefix: first among its ranked
+    ``candidates``, then over the whole ``last_codebook`` (ranked by the distance
+    of its ``last_residuals`` row). Only when every last-level code under the
+    prefix is occupied does it share one, taking the lowest free dedup code of the
+    nearest code that has one. Items nearest to their code choose first (ties by
+    row), so the order is deterministic. Time O(items x candidates), plus
+    O(codes) for each item whose candidates are all occupied; memory O(items).
+    Returns the IDs (int64 [n, L+1]) and how many items left their nearest code.
+    """
+    used_slots: dict[tuple[int, ...], set[int]] = defaultdict(set)
+    for semantic_id in taken or ():
+        used_slots[semantic_id[:-1]].add(semantic_id[-1])
+    nearest = last_codebook[candidates[:, 0]]
+    order = np.argsort(((last_residuals - nearest) ** 2).sum(axis=1), kind="stable")
+    ids = np.zeros((len(candidates), prefixes.shape[1] + 2), dtype=np.int64)
+    moved = 0
+    for row in order.tolist():
+        prefix = tuple(int(c) for c in prefixes[row])
+        last = _free_last_code(prefix, candidates[row], used_slots)
+        if last is None:
+            ranking = np.argsort(((last_codebook - last_residuals[row]) ** 2).sum(axis=1))
+            last = _free_last_code(prefix, ranking, used_slots)
+        if last is None:
+            last = _shared_last_code(prefix, ranking, used_slots, dedup_codes, row)
+        group = (*prefix, last)
+        free = next(d for d in range(dedup_codes) if d not in used_slots[group])
+        used_slots[group].add(free)
+        ids[row] = (*group, free)
+        moved += last != int(candidates[row, 0])
+    return ids, moved
+
+
+def _free_last_code(prefix: tuple[int, ...], ranked, used_slots) -> int | None:
+    """The first code of ``ranked`` whose full prefix holds no item yet."""
+    for code in ranked:
+        group = (*prefix, int(code))
+        if not used_slots.get(group):
+            return int(code)
+    return None
+
+
+def _shared_last_code(prefix, ranked, used_slots, dedup_codes: int, row: int) -> int:
+    """The first code of ``ranked`` whose group still has a free dedup code."""
+    for code in ranked:
+        if len(used_slots.get((*prefix, int(code)), ())) < dedup_codes:
+            return int(code)
+    raise DedupOverflowError(
+        f"item row {row}: every last-level code under prefix {prefix} already holds "
+        f"{dedup_codes} items; raise semantic_ids.dedup_codes and rebuild with --full"
+    )
