@@ -36,31 +36,56 @@ class LocalRedis:
     """A private redis-server: ``start()``, ``stop()``, ``restart()``, ``settings()``.
 
     ``cluster=True`` starts it as a one-node Redis Cluster holding every slot: it
-    refuses multi-key commands across slots, as a real cluster does.
+    refuses multi-key commands across slots, as a real cluster does. ``tls=True``: TLS
+    only, with a self-signed certificate for 127.0.0.1 made by ``openssl`` (``ca_file``).
     """
 
-    def __init__(self, root: Path, port: int, password: str | None, cluster: bool) -> None:
+    def __init__(
+        self, root: Path, port: int, password: str | None, cluster: bool, tls: bool = False
+    ) -> None:
         self.root, self.port, self.password, self.cluster = root, port, password, cluster
+        self.tls = tls
+        self.ca_file, self.key_file = root / "server.crt", root / "server.key"
         self.process: subprocess.Popen | None = None
 
     @classmethod
     def start(
-        cls, *, password: str | None = None, cluster: bool = False, timeout: float = 10.0
+        cls,
+        *,
+        password: str | None = None,
+        cluster: bool = False,
+        tls: bool = False,
+        timeout: float = 10.0,
     ) -> LocalRedis:
         if shutil.which("redis-server") is None:
             raise RedisUnavailable("redis-server not found; run `make redis`")
-        server = cls(Path(tempfile.mkdtemp(prefix="genrec-redis-")), free_port(), password, cluster)
+        root = Path(tempfile.mkdtemp(prefix="genrec-redis-"))
+        server = cls(root, free_port(), password, cluster, tls)
+        if tls:
+            server._make_certificate()
         server.resume(timeout)
         return server
 
+    def _make_certificate(self) -> None:
+        subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+             "-keyout", str(self.key_file), "-out", str(self.ca_file), "-subj", "/CN=127.0.0.1",
+             "-addext", "subjectAltName=IP:127.0.0.1"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+
     def _config(self) -> str:
         lines = [
-            f"port {self.port}", "bind 127.0.0.1", f"dir {self.root}", 'save ""',
+            f"port {0 if self.tls else self.port}", "bind 127.0.0.1", f"dir {self.root}", 'save ""',
             "appendonly no", "maxmemory-policy noeviction", "daemonize no",
             f"logfile {self.root / 'redis.log'}",
         ]  # fmt: skip
         if self.password:
             lines.append(f"requirepass {self.password}")
+        if self.tls:
+            lines += [f"tls-port {self.port}", f"tls-cert-file {self.ca_file}",
+                      f"tls-key-file {self.key_file}", f"tls-ca-cert-file {self.ca_file}",
+                      "tls-auth-clients no"]  # fmt: skip
         if self.cluster:
             lines += ["cluster-enabled yes", f"cluster-config-file {self.root / 'nodes.conf'}"]
         return "\n".join(lines) + "\n"
@@ -94,12 +119,15 @@ class LocalRedis:
         """A plain redis-py client of this server (also for a one-node cluster: one node)."""
         import redis
 
+        if self.tls:
+            options = {"ssl": True, "ssl_ca_certs": str(self.ca_file), **options}
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, **options)
 
     def settings(self, **overrides: Any) -> dict[str, Any]:
         """The ``redis`` settings section that reaches this server."""
+        tls = {"tls": True, "tls_ca_file": str(self.ca_file)} if self.tls else {}
         return {"host": "127.0.0.1", "port": self.port, "password": self.password,
-                "cluster": self.cluster, **overrides}  # fmt: skip
+                "cluster": self.cluster, **tls, **overrides}  # fmt: skip
 
     def halt(self, save: bool = False) -> None:
         """Stop the server, keep its directory: ``resume`` starts it again, empty, or with

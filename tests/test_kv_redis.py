@@ -290,3 +290,14 @@ def test_lru_reads_a_batchs_misses_at_once_and_forgets_an_outage() -> None:
     store.down, store.users = False, {"a", "b", "d"}
     found, down = cache.get_many(store, 1, ["d", "e"], "m1")  # the outage was not remembered
     assert set(found) == {"d"} and not down and store.calls[-1] == ["d", "e"]
+
+
+@pytest.mark.integration  # starts a redis-server of its own
+def test_tls_with_the_servers_ca(tmp_path: Path) -> None:
+    with LocalRedis.start(tls=True, password="tls-" + uuid.uuid4().hex) as server:
+        store = _store(server, tmp_path)  # tls, tls_ca_file, hostname checked against the IP
+        store.put_many(1, [(_entry("u", 1, 4), _prefix_kv(4))])
+        assert set(store.load_many(1, ["u"], "m1")) == {"u"}
+        plain = _store(server, tmp_path, tls=False)
+        with pytest.raises(KVStoreUnavailable):
+            plain.load_many(1, ["u"], "m1")
