@@ -339,7 +339,8 @@ class OnlineWorker(BatchHandler):
                 self.settings.kafka.topic_recommendations, payloads, offsets,
                 self.consumer.group_metadata(),
             )  # fmt: skip
-        except TransactionAborted as exc:
+        except TransactionAborted as exc:  # logged here: a rebalance may drop the batch unseen
+            log.warning("transaction of %d requests aborted (%s)", batch.users, exc)
             batch.failed(exc)
             return
         except ProducerFenced as exc:
