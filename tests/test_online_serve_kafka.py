@@ -708,7 +708,10 @@ def _kill_a_broker_mid_stream(
 
 # Where each worker starts reading after a rebalance, and what each transaction committed:
 # a duplicate can then be traced to the offsets it was read again from.
-OFFSET_LOGS = "kafka.coordinator.consumer=DEBUG,genrec.online.transactions=DEBUG"
+OFFSET_LOGS = (
+    "kafka.coordinator.consumer=DEBUG,kafka.producer.transaction_manager=DEBUG,"
+    "genrec.online.transactions=DEBUG"
+)
 
 
 def _duplicates(answers: Recommendations, sent: Events) -> str:
@@ -752,7 +755,8 @@ def test_cluster_broker_kill_9_exactly_once_answers_every_event_once(
             f"--- worker{n}:\n" + "\n".join(
                 line[:600] for line in (tmp_path / f"worker{n}.log").read_text().splitlines()
                 if any(k in line for k in ("Setting offset", "committed transaction", "partitions",
-                                           "transaction failed", "aborted", "retried"))
+                                           "transaction failed", "aborted", "retried",
+                                           "Transition from", "transactional response"))
             )
             for n in range(2)
         )  # fmt: skip
