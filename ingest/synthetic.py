@@ -604,7 +604,7 @@ def stream(
 ) -> int:
     """Upsert the catalog into the store, then produce the events to ``kafka.topic_events``
     as ``genrec replay`` would (same messages), one row group at a time; returns how many."""
-    from genrec.ingest import replay
+    from genrec.ingest import replay  # lazy: pandas and kafka load only for --kafka
 
     catalog = Catalog(config)
     if load_items:

@@ -90,6 +90,7 @@ def fit_branches(
 def semantic_id_embeddings(settings, engine, item_ids: Sequence[str]) -> np.ndarray:
     """Text embeddings of the semantic-ID build, rows aligned with ``item_ids`` (missing: zeros)."""
     try:
+        # lazy: the semantic-ID build loads torch, which fitting recall never needs otherwise
         from genrec.offline.semantic_ids.build import load_item_embeddings
     except ImportError as exc:
         raise FileNotFoundError(

@@ -95,7 +95,7 @@ def _entry(user_id: str, tokens: int) -> PrefixKVEntry:
 def redis_store(redis_settings: RedisSettings | None, engine) -> Iterator[RedisKVStore]:
     """A Redis store on the configured server, or on a ``LocalRedis`` started for the run
     (``redis_settings`` None); its keys are removed afterwards."""
-    from genrec.app.redis_server import LocalRedis
+    from genrec.app.redis_server import LocalRedis  # lazy: only when no server is given
 
     server = LocalRedis.start() if redis_settings is None else None
     if server is not None:

@@ -277,7 +277,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
 def ml100k_store(folder: Path) -> Engine:
     """A fresh SQLite store in ``folder`` holding MovieLens-100K's events, written in time
     order through the ingest writer (``users`` kept as ingest keeps it)."""
-    from genrec.ingest.replay import ml100k_events, prepare_events
+    from genrec.ingest.replay import ml100k_events, prepare_events  # lazy: pandas, --ml100k only
 
     engine = make_engine(f"sqlite:///{folder / 'genrec.db'}")
     frame = prepare_events(ml100k_events(), event_id_prefix="ml-100k")
@@ -294,6 +294,7 @@ def bench_models(
 ) -> tuple[Any, str]:
     """The store's serving (else active) model version; random ``preset`` models without one
     (or with ``random``) over the store's items; and what was loaded, in words."""
+    # lazy: the model store loads torch; the bench's table and CLI parsing do not need it
     from genrec.app.bench.serve import _random_models
     from genrec.online.models.store import NoActiveModels, load_model_version
 

@@ -99,6 +99,7 @@ def _use_gpu(ray, workers: int, wanted: bool | None) -> bool:
 
 def _worker_loop(config: dict[str, Any]) -> None:
     """One Ray Train worker: its shard of ``train_parts``; rank 0 reports the models."""
+    # Imported in the Ray worker's own process, where this function runs.
     import ray
     import ray.train
     from ray.train import Checkpoint
