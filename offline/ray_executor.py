@@ -156,8 +156,11 @@ class RayPool:
         options = dict(num_cpus=config.cpus_per_actor, num_gpus=gpus,
                        max_restarts=config.max_retries, max_task_retries=config.max_retries)  # fmt: skip
         prefix = f"{ACTOR_PREFIX}{name}-{os.getpid()}-{next(_pool_numbers)}"
+        # The state's inputs (a model, maybe) go into the object store once for all actors,
+        # and this reference keeps them there: a restarted actor builds from them again.
+        self._inputs = self.ray.put(args)
         self.actors = [
-            actor.options(name=f"{prefix}-{n}", **options).remote(build, args, threads)
+            actor.options(name=f"{prefix}-{n}", **options).remote(build, self._inputs, threads)
             for n in range(count)
         ]
         self._turn = itertools.cycle(self.actors)
@@ -193,6 +196,7 @@ class RayPool:
             except Exception:  # already dead: nothing to stop
                 log.debug("ray: actor already gone", exc_info=True)
         self.actors = []
+        self._inputs = None
 
     def __enter__(self) -> RayPool:
         return self

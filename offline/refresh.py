@@ -306,6 +306,7 @@ class _Run:
         self.activated = False
         self._kv_pool = None  # the prefix-KV step's workers, started at its first batch
         self._kv_pool_remote = False
+        self._kv_pool_start_s = 0.0  # starting the pool (Ray: actors loading the target)
         self.budget_order = "newest_first"  # "user_id": only the bench's baseline
 
     def execute(self, trigger: str, cancel: threading.Event) -> RefreshReport:
@@ -432,6 +433,8 @@ class _Run:
         self.counts["kv"] = {
             **totals, "skipped_window": skipped_window, "dtype": config.kv_dtype,
             "budget_bytes": budget.limit_bytes, **self.store.sizes(kv_version),
+            "executor": self.settings.offline.executor,
+            "workers_start_seconds": round(self._kv_pool_start_s, 3),
         }  # fmt: skip
 
     def _kv_pages(self, cutoff_row: int, budget: KVBudget, totals) -> Iterator[dict]:
@@ -519,6 +522,7 @@ class _Run:
         with the loaded target, or Ray actors that load the version's target from its
         artifact folder (a model never saved travels to them instead)."""
         if self._kv_pool is None:
+            started = time.perf_counter()
             executor = make_executor(self.settings)
             self._kv_pool_remote = executor.remote
             build, args = load_version_target, ()
@@ -530,6 +534,7 @@ class _Run:
                     build, args = placed_model, (sendable_model(models.target),)
             self._kv_pool = executor.pool("prefix-kv", build, *args, local=models.target,
                                           threads=self.settings.refresh.torch_threads)  # fmt: skip
+            self._kv_pool_start_s = time.perf_counter() - started
         return self._kv_pool
 
     def _activate(self, job_run_id, version, semantic_id_version, model_version) -> None:

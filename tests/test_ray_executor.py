@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,11 @@ import pytest
 import torch
 
 from genrec.infra.database import make_engine
+from genrec.infra.errors import UserFacingError
 from genrec.infra.serving_versions import active_serving_version
 from genrec.offline.evaluation import generative_lists
-from genrec.offline.executor import LocalExecutor, model_artifact_dir
+from genrec.offline.executor import LocalExecutor, make_executor, model_artifact_dir
+from genrec.offline.ray_cluster import import_ray
 from genrec.offline.ray_executor import RayExecutor, named_actor_pids
 from genrec.offline.refresh import run_refresh
 from genrec.offline.semantic_ids.embeddings import embed_texts
@@ -68,6 +71,13 @@ def test_ray_map_and_pool_keep_page_order_bound_pages_in_flight_and_raise(ray_cl
         assert list(pool.map(add_slowly, range(6), desc="add")) == list(range(100, 106))
         with pytest.raises(ValueError, match="page 3 is bad"):
             list(pool.map(fail_at_three, range(6), desc="fail"))
+
+
+def test_local_needs_no_ray_and_ray_without_it_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    assert make_executor(make_settings(tmp_path, "sqlite://")).name == "local"
+    with pytest.raises(UserFacingError, match=r"pip install 'genrec\[ray\]'"):
+        import_ray()
 
 
 # --- prefix KV ------------------------------------------------------------------------

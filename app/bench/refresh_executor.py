@@ -5,11 +5,13 @@ prefix-KV step (``precompute_prefix_kv``, every cache computed, nothing reused) 
 ``offline.executor = "local"`` and with ``"ray"``, alternating (local, ray, local, ray,
 ...) ``--repeats`` times, each into a scratch KV store of its own (a temporary folder
 and index database, removed afterwards; the store is only read). It prints each run's
-seconds and users/s, the medians, and the ratio ray / local: on one machine, the cost
-of the fan-out (actors started and loading the target, each batch's caches carried
-back through Ray's object store, the driver writing them) against the work it spreads;
-on a cluster with more CPUs or GPUs than this machine it can fall below 1. It also
-checks that both executors wrote the same files, byte for byte.
+seconds, the part of them spent starting its workers (Ray actors loading the target) and
+users/s, then the medians and the ratio ray / local, of the whole step and of what
+follows the start. On one machine that ratio is the cost of the fan-out (actors started,
+each batch's caches carried back through Ray's object store, the driver writing them)
+against the work it spreads; on a cluster with more CPUs or GPUs it can fall below 1.
+It also checks that both executors wrote the same caches: the same metadata and tensor
+bytes in every file (not the file bytes: safetensors orders its header freely).
 
 Ray is connected (or a local Ray started, ``offline.local_cpus``) once before the runs,
 and that time is reported apart; each ray run includes starting its actors, as a
@@ -88,23 +90,41 @@ def _timed_run(settings, engine: Engine, models, cutoff_row: int, name: str) -> 
     finally:
         index_engine.dispose()
         shutil.rmtree(folder, ignore_errors=True)
-    users = int(kv["users"])
-    return {"executor": name, "seconds": round(seconds, 3), "users": users,
+    users, start = int(kv["users"]), float(kv.get("workers_start_seconds") or 0.0)
+    return {"executor": name, "seconds": round(seconds, 3), "start_seconds": round(start, 3),
+            "compute_seconds": round(seconds - start, 3), "users": users,
             "users_per_s": round(users / seconds, 1) if seconds else None,
             "total_bytes": int(kv["total_bytes"]), "files_sha256": digest}  # fmt: skip
 
 
 def _files_digest(root: Path) -> str:
-    """One sha256 over every cache file's relative path and bytes, in path order."""
+    """One sha256 over every cache file's relative path, metadata and tensors (names,
+    dtypes, shapes, bytes), in path and name order. Not the file bytes: safetensors
+    writes the header's keys in no fixed order."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
     digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    for path in sorted(p for p in root.rglob("*.safetensors") if p.is_file()):
+        with safe_open(str(path), framework="pt") as handle:
+            header = {"path": str(path.relative_to(root)), "metadata": handle.metadata()}
+            digest.update(json.dumps(header, sort_keys=True).encode())
+            for name in sorted(handle.keys()):
+                tensor = handle.get_tensor(name).contiguous()
+                digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
+                digest.update(tensor.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
 def _report(settings, offline, models, runs, connect_seconds, cutoff_row, source) -> dict:
     medians = {
         name: statistics.median(r["seconds"] for r in runs if r["executor"] == name)
+        for name in EXECUTORS
+    }
+    after_start = {
+        name: statistics.median(r["compute_seconds"] for r in runs if r["executor"] == name)
         for name in EXECUTORS
     }
     digests = {r["files_sha256"] for r in runs}
@@ -124,6 +144,10 @@ def _report(settings, offline, models, runs, connect_seconds, cutoff_row, source
         "runs": runs,
         "median_seconds": medians,
         "ratio_ray_over_local": medians["ray"] / medians["local"] if medians["local"] else None,
+        "median_seconds_after_start": after_start,
+        "ratio_after_start": (
+            after_start["ray"] / after_start["local"] if after_start["local"] else None
+        ),
         "same_caches": len(digests) == 1,
     }
 
@@ -135,13 +159,17 @@ def print_report(report: dict[str, Any]) -> None:
           f"{report['local_torch_threads']} torch threads; ray: {ray['actors']} actors x "
           f"{ray['actor_torch_threads']} threads ({ray['address']}, connected in "
           f"{ray['connect_seconds']:.1f} s)")  # fmt: skip
-    print(f"{'run':>4} {'executor':>8} {'seconds':>8} {'users/s':>8}")
+    print(f"{'run':>4} {'executor':>8} {'seconds':>8} {'start':>7} {'after':>7} {'users/s':>8}")
     for number, run in enumerate(report["runs"], start=1):
-        print(f"{number:>4} {run['executor']:>8} {run['seconds']:8.2f} {run['users_per_s']:8.1f}")
-    medians = report["median_seconds"]
-    ratio = report["ratio_ray_over_local"]
-    print(f"median: local {medians['local']:.2f} s, ray {medians['ray']:.2f} s; ray / local "
-          f"{'-' if ratio is None else f'{ratio:.2f}'}; same caches: {report['same_caches']}")  # fmt: skip
+        print(f"{number:>4} {run['executor']:>8} {run['seconds']:8.2f} {run['start_seconds']:7.2f} "
+              f"{run['compute_seconds']:7.2f} {run['users_per_s']:8.1f}")  # fmt: skip
+    for label, key, ratio_key in (("step", "median_seconds", "ratio_ray_over_local"),
+                                  ("after start", "median_seconds_after_start",
+                                   "ratio_after_start")):  # fmt: skip
+        medians, ratio = report[key], report[ratio_key]
+        print(f"median {label}: local {medians['local']:.2f} s, ray {medians['ray']:.2f} s; "
+              f"ray / local {'-' if ratio is None else f'{ratio:.2f}'}")  # fmt: skip
+    print(f"same caches: {report['same_caches']}")
 
 
 def ml100k_users_store(folder: Path, max_users: int | None) -> Engine:
