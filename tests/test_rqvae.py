@@ -9,6 +9,7 @@ from genrec.offline.semantic_ids.rqvae import (
     DedupOverflowError,
     RQVAEConfig,
     assign_balanced_ids,
+    assign_capacity_codes,
     assign_unique_ids,
     kmeans,
     reset_dead_codes,
@@ -132,6 +133,19 @@ def test_balanced_assignment_nearest_first_taken_and_overflow():
     assert ids.tolist() == [[7, 0, 1]]
     with pytest.raises(DedupOverflowError, match="dedup_codes"):
         assign_balanced_ids(prefixes, candidates, residuals, codebook, dedup_codes=1, taken=taken)
+
+
+def test_capacity_codes_cap_each_prefix_nearest_first():
+    codebook = np.array([[0.0], [1.0], [2.0]], dtype=np.float32)
+    residuals = np.array([[0.3], [0.1], [0.2], [0.0], [1.0]], dtype=np.float32)
+    prefixes = np.array([[4], [4], [4], [5], [4]])
+    candidates = np.array([[0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2], [1, 0, 2]])
+    codes, moved = assign_capacity_codes(prefixes, candidates, residuals, codebook, capacity=2)
+    # under prefix 4, code 0 keeps its two nearest (rows 1, 2); row 0 goes to code 1,
+    # which row 4 (exactly on it) took first and still has room for one more
+    assert codes.tolist() == [1, 0, 0, 0, 1] and moved == 1
+    full, _ = assign_capacity_codes(prefixes[:3], candidates[:3, :1], residuals[:3], codebook[:1], 1)
+    assert full.tolist() == [0, 0, 0]  # nowhere to go: the nearest code, shared
 
 
 def test_bad_embeddings_are_refused():

@@ -79,10 +79,16 @@ def test_quality_report_within_bounds(built):
     assert usage[0]["used"] >= 128
     assert usage[0]["perplexity"] >= 64
     # 19 pairs of ML-100K items have identical title, year and genres, so identical
-    # text and embeddings: they must collide (~1.1%). Beyond those, 3 levels of 256
-    # codes leave 16.7M cells for 1,682 items, so few other collisions are expected.
-    assert metrics["collision_rate_before_dedup"] <= 0.03
-    assert 2 <= metrics["largest_collision_group"] <= 4
+    # text and embeddings: their nearest codes collide (~1.1%). Beyond those, 3 levels of
+    # 256 codes leave 16.7M cells for 1,682 items, so few other collisions are expected.
+    assert metrics["nearest_code_collision_rate"] <= 0.03
+    assert 2 <= metrics["nearest_code_largest_group"] <= 4
+    # The balanced last level gives each of them a free last-level code of its own.
+    assert metrics["collision_rate_before_dedup"] == 0.0
+    assert metrics["largest_collision_group"] == 1
+    # every item beyond the first of a nearest-code group moved to another last code
+    nearest_collisions = round(metrics["nearest_code_collision_rate"] * metrics["n_items"])
+    assert metrics["moved_to_free_slot"] >= nearest_collisions
     similarity = metrics["prefix_similarity"]
     assert similarity["same_first_code"] > similarity["random_pairs"] + 0.05
     assert similarity["same_first_two_codes"] > similarity["same_first_code"]
@@ -216,6 +222,7 @@ def test_catalog_without_text_builds_from_interactions(ml100k_engine, tmp_path):
     assert report.metrics["embedding_mode"] == "behavior"
     assert report.metrics["embedding_sources"] == {"text": 0, "behavior": 1682, "hash": 1}
     assert report.n_unique_ids == report.n_items == 1683
+    assert report.metrics["collision_rate_before_dedup"] <= 0.05
     assert not (tmp_path / "cache").exists()  # the text model never ran
     ids = load_active_semantic_ids(engine)
     assert len({tuple(row) for row in ids.codes.tolist()}) == 1683

@@ -8,9 +8,12 @@ quality report, and only then makes it the active version, in one transaction.
 - Full build (``full=True``, or no active version yet): retrain, new IDs for all.
 - Refresh: keep the active version's codebooks, layout and every existing item's
   ID (even when its text changed); new items get their nearest codes, then the
-  lowest free dedup code. If a new item's group is full, it moves to its
-  next-nearest last-level code; if none of its 16 nearest has room the refresh
-  fails with a clear error (raise ``dedup_codes`` and run ``--full``).
+  lowest free dedup code. With ``balanced_last_level`` (default) every item, on
+  a full build or a refresh, first takes the nearest last-level code no item holds
+  yet under its prefix (``rqvae.assign_balanced_ids``), so look-alike rare items
+  get distinct L codes. If a group is full the item moves to the nearest code with
+  a free dedup slot; if none has room the build fails with a clear error (raise
+  ``dedup_codes`` and run ``--full``).
 
 Readers call ``load_active_semantic_ids``; they never see a version that is
 still building or failed. Artifacts live in
@@ -65,6 +68,7 @@ from genrec.offline.semantic_ids.rqvae import (
     RQVAE,
     RQVAEConfig,
     assign_balanced_ids,
+    assign_capacity_codes,
     assign_unique_ids,
     train_rqvae,
 )
@@ -382,16 +386,34 @@ def _assign_ids(
         fresh = np.flatnonzero(~kept)
         # IDs of items that left the catalog stay reserved: a model may still emit them.
         taken = {tuple(row) for row in old.codes.tolist()}
-    prefixes = raw_codes[fresh, :-1]
+    prefixes, last_candidates = raw_codes[fresh, :-1], candidates[fresh]
     if balanced:
+        if old is None and len(codebooks) >= 2:  # a refresh keeps old items' prefixes as they are
+            prefixes, last_candidates = _balance_upper_level(latent, codebooks, raw_codes)
         residual = latent[fresh] - codebooks[np.arange(len(codebooks) - 1), prefixes].sum(axis=1)
-        new_ids, moved = assign_balanced_ids(
-            prefixes, candidates[fresh], residual, codebooks[-1], dedup_codes, taken
+        new_ids, _ = assign_balanced_ids(
+            prefixes, last_candidates, residual, codebooks[-1], dedup_codes, taken
         )
+        moved = int((new_ids[:, :-1] != raw_codes[fresh]).any(axis=1).sum())
     else:
         new_ids, moved = assign_unique_ids(candidates[fresh], prefixes, dedup_codes, taken)
     ids[fresh] = new_ids
     return ids, raw_codes, moved, len(fresh) if old is not None else 0
+
+
+def _balance_upper_level(latent: np.ndarray, codebooks: np.ndarray, raw_codes: np.ndarray):
+    """(L-1 code prefixes, last-level candidates) of a full build where no L-1 prefix holds
+    more items than the last level has codes (``assign_capacity_codes``)."""
+    upper = len(codebooks) - 2
+    above = raw_codes[:, :upper]
+    residual = latent - codebooks[np.arange(upper), above].sum(axis=1)
+    _, ranked = residual_codes(residual, codebooks[upper : upper + 1], LAST_LEVEL_CANDIDATES)
+    codes, _ = assign_capacity_codes(
+        above, ranked, residual, codebooks[upper], capacity=codebooks.shape[1]
+    )
+    residual = residual - codebooks[upper][codes]
+    _, last_candidates = residual_codes(residual, codebooks[-1:], LAST_LEVEL_CANDIDATES)
+    return np.concatenate([above, codes[:, None]], axis=1), last_candidates
 
 
 def _stability(old: SemanticIdSet, item_ids: list[str], ids: np.ndarray) -> float | None:

@@ -12,7 +12,10 @@ reset to randomly drawn residuals. Training is deterministic for a given seed.
 
 Items that end up on the same L codes get one extra dedup code (0, 1, 2, ...);
 ``assign_unique_ids`` does that and, when a group would overflow the fixed dedup
-level, moves the item to its next-nearest last-level code.
+level, moves the item to its next-nearest last-level code. ``assign_balanced_ids``
+(the build's default) first moves an item to the nearest last-level code that no
+other item holds under its prefix, so near-identical vectors still get distinct
+L codes and dedup codes are needed only when a prefix's last level is full.
 
 Example::
 
@@ -28,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -321,3 +324,56 @@ def _shared_last_code(prefix, ranked, used_slots, dedup_codes: int, row: int) ->
         f"item row {row}: every last-level code under prefix {prefix} already holds "
         f"{dedup_codes} items; raise semantic_ids.dedup_codes and rebuild with --full"
     )
+
+
+def assign_capacity_codes(
+    prefixes: np.ndarray,
+    candidates: np.ndarray,
+    residuals: np.ndarray,
+    codebook: np.ndarray,
+    capacity: int,
+) -> tuple[np.ndarray, int]:
+    """One level's codes such that no (prefix, code) group holds more than ``capacity`` items.
+
+    For the level above the last one, ``capacity`` is the size of the last level: a
+    two-code prefix then never holds more items than it has distinct last codes, and
+    the balanced last level can give each of them its own. Items nearest to their
+    code keep it (ties by row); the rest take their next-nearest code with room
+    (ranked ``candidates``, then the whole ``codebook``), or keep the nearest when
+    every code under their prefix is full. Vectorized except for the items over
+    capacity. Returns the codes (int64 [n]) and how many items moved.
+    """
+    n = len(candidates)
+    order = np.argsort(((residuals - codebook[candidates[:, 0]]) ** 2).sum(axis=1), kind="stable")
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    keys = np.concatenate([prefixes, candidates[:, :1]], axis=1)
+    _, group = np.unique(keys, axis=0, return_inverse=True)
+    group = group.reshape(-1)
+    by_group = np.lexsort((position, group))
+    starts = np.searchsorted(group[by_group], group[by_group])
+    rank = np.empty(n, dtype=np.int64)
+    rank[by_group] = np.arange(n) - starts
+    codes = candidates[:, 0].astype(np.int64).copy()
+    over = np.flatnonzero(rank >= capacity)
+    if len(over) == 0:
+        return codes, 0
+    kept = np.flatnonzero(rank < capacity)
+    counts = Counter(map(tuple, keys[kept].tolist()))
+    for row in over[np.argsort(position[over])].tolist():
+        prefix = tuple(int(c) for c in prefixes[row])
+        code = _code_with_room(prefix, candidates[row], counts, capacity)
+        if code is None:
+            ranking = np.argsort(((codebook - residuals[row]) ** 2).sum(axis=1))
+            code = _code_with_room(prefix, ranking, counts, capacity)
+        code = int(candidates[row, 0]) if code is None else code
+        counts[(*prefix, code)] += 1
+        codes[row] = code
+    return codes, int((codes != candidates[:, 0]).sum())
+
+
+def _code_with_room(prefix: tuple[int, ...], ranked, counts: Counter, capacity: int) -> int | None:
+    for code in ranked:
+        if counts.get((*prefix, int(code)), 0) < capacity:
+            return int(code)
+    return None
