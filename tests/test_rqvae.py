@@ -144,7 +144,9 @@ def test_capacity_codes_cap_each_prefix_nearest_first():
     # under prefix 4, code 0 keeps its two nearest (rows 1, 2); row 0 goes to code 1,
     # which row 4 (exactly on it) took first and still has room for one more
     assert codes.tolist() == [1, 0, 0, 0, 1] and moved == 1
-    full, _ = assign_capacity_codes(prefixes[:3], candidates[:3, :1], residuals[:3], codebook[:1], 1)
+    full, _ = assign_capacity_codes(
+        prefixes[:3], candidates[:3, :1], residuals[:3], codebook[:1], 1
+    )
     assert full.tolist() == [0, 0, 0]  # nowhere to go: the nearest code, shared
 
 
