@@ -131,3 +131,27 @@ def tiny_settings(home: Path) -> Settings:
         model={"preset": "tiny", "history_items": 10, "teacher_prompts": 24,
                "agreement_users": 16, "torch_threads": 1},
     )  # fmt: skip
+
+
+def random_prefix_kv(n_tokens: int, model_version: str = "m1", layers: int = 2):
+    """A small PrefixKV of ``n_tokens`` prompt tokens with random keys and values."""
+    import torch  # here: most tests importing this module never need torch
+
+    from genrec.online.decoding.prefix_kv import PrefixKV
+
+    generator = torch.Generator().manual_seed(n_tokens)
+    shape = (2, n_tokens - 1, 4)  # [kv heads, cached tokens, head dim]
+    keys = [torch.randn(shape, generator=generator) for _ in range(layers)]
+    values = [torch.randn(shape, generator=generator) for _ in range(layers)]
+    return PrefixKV(list(range(1, n_tokens + 1)), keys, values, model_version)
+
+
+def kv_entry(user_id: str, kv_version: int, n_tokens: int, row: int = 10):
+    """The index entry of ``random_prefix_kv(n_tokens)`` for ``user_id``."""
+    from genrec.online.prefix_kv_store import PrefixKVEntry
+
+    return PrefixKVEntry(
+        user_id=user_id, kv_version=kv_version, model_version="m1", cutoff_event_row=row,
+        cutoff_ts_ms=1000 * row, cutoff_event_id=f"e{row}", n_tokens=n_tokens,
+        prompt_sha1=f"sha-{user_id}-{n_tokens}",
+    )  # fmt: skip

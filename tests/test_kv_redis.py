@@ -29,25 +29,9 @@ from genrec.online.prefix_kv_redis import RedisKeys, RedisKVStore, make_client
 from genrec.online.prefix_kv_store import (
     KVStoreUnavailable,
     LocalDirKVStore,
-    PrefixKVEntry,
     open_kv_store,
 )
-
-
-def _prefix_kv(n_tokens: int, model_version: str = "m1", layers: int = 2) -> PrefixKV:
-    generator = torch.Generator().manual_seed(n_tokens)
-    shape = (2, n_tokens - 1, 4)  # [kv heads, cached tokens, head dim]
-    keys = [torch.randn(shape, generator=generator) for _ in range(layers)]
-    values = [torch.randn(shape, generator=generator) for _ in range(layers)]
-    return PrefixKV(list(range(1, n_tokens + 1)), keys, values, model_version)
-
-
-def _entry(user_id: str, kv_version: int, n_tokens: int, row: int = 10) -> PrefixKVEntry:
-    return PrefixKVEntry(
-        user_id=user_id, kv_version=kv_version, model_version="m1", cutoff_event_row=row,
-        cutoff_ts_ms=1000 * row, cutoff_event_id=f"e{row}", n_tokens=n_tokens,
-        prompt_sha1=f"sha-{user_id}-{n_tokens}",
-    )  # fmt: skip
+from tests.helpers import kv_entry, random_prefix_kv
 
 
 def _same(a: PrefixKV, b: PrefixKV) -> bool:
@@ -107,7 +91,7 @@ def test_client_and_store_never_show_the_password() -> None:
 
 
 def test_values_are_the_safetensors_files(tmp_path: Path) -> None:
-    prefix = _prefix_kv(6)
+    prefix = random_prefix_kv(6)
     data = prefix_kv_to_bytes(prefix)
     assert _same(prefix_kv_from_bytes(data, "m1"), prefix)
     with pytest.raises(ModelVersionMismatch):
@@ -115,7 +99,7 @@ def test_values_are_the_safetensors_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         prefix_kv_from_bytes(b"\x00" * 4, "m1")
     local = LocalDirKVStore(tmp_path / "kv", make_engine("sqlite://"))
-    local.put_many(1, [(_entry("u", 1, 6), prefix)])
+    local.put_many(1, [(kv_entry("u", 1, 6), prefix)])
     on_disk = (local.root / local.lookup(1, "u").path).read_bytes()
     # the same bytes but for the header's key order: the same size (the budget's bound)
     assert len(on_disk) == len(data) and _same(prefix_kv_from_bytes(on_disk, "m1"), prefix)
@@ -127,8 +111,8 @@ def test_values_are_the_safetensors_files(tmp_path: Path) -> None:
 def test_batch_load_equals_the_local_backend(redis_server: LocalRedis, tmp_path: Path) -> None:
     store = _store(redis_server, tmp_path)
     local = LocalDirKVStore(tmp_path / "kv", make_engine("sqlite://"))
-    written = {f"user-{n}": _prefix_kv(3 + n) for n in range(8)}
-    pairs = [(_entry(u, 5, len(p.prompt_ids)), p) for u, p in written.items()]
+    written = {f"user-{n}": random_prefix_kv(3 + n) for n in range(8)}
+    pairs = [(kv_entry(u, 5, len(p.prompt_ids)), p) for u, p in written.items()]
     store.put_many(5, pairs)
     local.put_many(5, pairs)
     users = [*written, "nobody"]
@@ -157,7 +141,7 @@ def test_batch_load_equals_the_local_backend(redis_server: LocalRedis, tmp_path:
 
 def test_one_round_trip_per_batch(redis_server: LocalRedis, tmp_path: Path) -> None:
     store = _store(redis_server, tmp_path)
-    store.put_many(1, [(_entry(f"u{n}", 1, 4), _prefix_kv(4)) for n in range(32)])
+    store.put_many(1, [(kv_entry(f"u{n}", 1, 4), random_prefix_kv(4)) for n in range(32)])
     store.load_many(1, ["u0"], "m1")  # the connection's own set-up (CLIENT SETINFO) is done
     client = redis_server.client()
     before = int(client.info("stats")["total_commands_processed"])
@@ -169,18 +153,18 @@ def test_one_round_trip_per_batch(redis_server: LocalRedis, tmp_path: Path) -> N
 
 def test_reuse_and_collection_after_activation(redis_server: LocalRedis, tmp_path: Path) -> None:
     store = _store(redis_server, tmp_path, write_batch=3)  # several UNLINK pipelines per version
-    first = {f"u{n}": _prefix_kv(4 + n) for n in range(7)}
-    store.put_many(1, [(_entry(u, 1, len(p.prompt_ids)), p) for u, p in first.items()])
+    first = {f"u{n}": random_prefix_kv(4 + n) for n in range(7)}
+    store.put_many(1, [(kv_entry(u, 1, len(p.prompt_ids)), p) for u, p in first.items()])
     old = store.entries(1)
     # version 2: six users unchanged (copied, with a later cutoff), one recomputed
-    store.reuse_many(2, [(_entry(u, 2, len(first[u].prompt_ids), row=20), old[u])
+    store.reuse_many(2, [(kv_entry(u, 2, len(first[u].prompt_ids), row=20), old[u])
                          for u in list(first)[:6]])  # fmt: skip
-    store.put_many(2, [(_entry("u6", 2, 11, row=20), _prefix_kv(11))])
+    store.put_many(2, [(kv_entry("u6", 2, 11, row=20), random_prefix_kv(11))])
     loaded = store.load_many(2, list(first), expected_model_version="m1")
     assert all(_same(loaded[u][1], first[u]) for u in list(first)[:6])
     assert loaded["u0"][0].cutoff_event_row == 20 and loaded["u0"][0].kv_version == 2
     # a killed run left version 3 half-written (no index rows for part of it)
-    store.put_many(3, [(_entry("u0", 3, 4), _prefix_kv(4))])
+    store.put_many(3, [(kv_entry("u0", 3, 4), random_prefix_kv(4))])
     assert store.garbage_collect(keep_versions=[2]) == 2
     left = _keys(redis_server, store)
     assert left == {store.keys.versions, store.keys.version_users(2)} | {
@@ -193,10 +177,10 @@ def test_reuse_and_collection_after_activation(redis_server: LocalRedis, tmp_pat
 
 def test_a_vanished_value_is_not_reused(redis_server: LocalRedis, tmp_path: Path) -> None:
     store = _store(redis_server, tmp_path)
-    store.put_many(1, [(_entry(u, 1, 4), _prefix_kv(4)) for u in ("a", "b")])
+    store.put_many(1, [(kv_entry(u, 1, 4), random_prefix_kv(4)) for u in ("a", "b")])
     old = store.entries(1)
     redis_server.client().unlink(store.keys.user(1, "a"))  # e.g. someone flushed it
-    store.reuse_many(2, [(_entry(u, 2, 4), old[u]) for u in ("a", "b")])
+    store.reuse_many(2, [(kv_entry(u, 2, 4), old[u]) for u in ("a", "b")])
     assert set(store.entries(2)) == {"b"} and set(store.load_many(2, ["a", "b"], "m1")) == {"b"}
 
 
@@ -205,9 +189,9 @@ def test_failed_writes_fail_the_batch(tmp_path: Path) -> None:
     with LocalRedis.start() as server:
         store = _store(server, tmp_path)
         server.client().config_set("maxmemory", "1mb")  # noeviction: writes past it fail
-        big = _prefix_kv(4000)  # ~256 KB each
+        big = random_prefix_kv(4000)  # ~256 KB each
         with pytest.raises(Exception, match="maxmemory"):
-            store.put_many(1, [(_entry(f"u{n}", 1, 4000), big) for n in range(8)])
+            store.put_many(1, [(kv_entry(f"u{n}", 1, 4000), big) for n in range(8)])
         assert store.entries(1) == {}  # nothing indexed: the refresh fails, nothing activates
 
 
@@ -216,9 +200,9 @@ def test_a_one_node_cluster_takes_every_command(tmp_path: Path) -> None:
     with LocalRedis.start(cluster=True) as server:
         store = _store(server, tmp_path, write_batch=2)
         assert hasattr(store.reader, "get_nodes")  # the cluster client
-        store.put_many(1, [(_entry(f"u{n}", 1, 4), _prefix_kv(4)) for n in range(5)])
+        store.put_many(1, [(kv_entry(f"u{n}", 1, 4), random_prefix_kv(4)) for n in range(5)])
         old = store.entries(1)
-        store.reuse_many(2, [(_entry(u, 2, 4), old[u]) for u in old])  # COPY within a slot
+        store.reuse_many(2, [(kv_entry(u, 2, 4), old[u]) for u in old])  # COPY within a slot
         assert set(store.load_many(2, list(old), "m1")) == set(old)
         assert store.garbage_collect([2]) == 1 and store.load_many(1, ["u0"], "m1") == {}
 
@@ -229,11 +213,11 @@ def test_auth_is_required_and_never_logged(tmp_path: Path, caplog) -> None:
     with LocalRedis.start(password=secret) as server:
         caplog.set_level(logging.DEBUG)
         store = _store(server, tmp_path)
-        store.put_many(1, [(_entry("u", 1, 4), _prefix_kv(4))])
+        store.put_many(1, [(kv_entry("u", 1, 4), random_prefix_kv(4))])
         assert set(store.load_many(1, ["u"], "m1")) == {"u"}
         wrong = _store(server, tmp_path, password="wrong")
         with pytest.raises(Exception, match="(?i)auth|password|WRONGPASS"):
-            wrong.put_many(1, [(_entry("v", 1, 4), _prefix_kv(4))])
+            wrong.put_many(1, [(kv_entry("v", 1, 4), random_prefix_kv(4))])
         server.halt()
         with pytest.raises(KVStoreUnavailable) as failure:
             store.load_many(1, ["u"], "m1")
@@ -244,7 +228,7 @@ def test_auth_is_required_and_never_logged(tmp_path: Path, caplog) -> None:
 def test_unreachable_redis_fails_fast_and_recovers(tmp_path: Path) -> None:
     with LocalRedis.start() as server:
         store = _store(server, tmp_path, retry_after_s=0.5)
-        store.put_many(1, [(_entry("u", 1, 4), _prefix_kv(4))])
+        store.put_many(1, [(kv_entry("u", 1, 4), random_prefix_kv(4))])
         os.kill(server.process.pid, signal.SIGSTOP)  # a stalled Redis: reads time out
         try:
             started = time.monotonic()
@@ -296,7 +280,7 @@ def test_lru_reads_a_batchs_misses_at_once_and_forgets_an_outage() -> None:
 def test_tls_with_the_servers_ca(tmp_path: Path) -> None:
     with LocalRedis.start(tls=True, password="tls-" + uuid.uuid4().hex) as server:
         store = _store(server, tmp_path)  # tls, tls_ca_file, hostname checked against the IP
-        store.put_many(1, [(_entry("u", 1, 4), _prefix_kv(4))])
+        store.put_many(1, [(kv_entry("u", 1, 4), random_prefix_kv(4))])
         assert set(store.load_many(1, ["u"], "m1")) == {"u"}
         plain = _store(server, tmp_path, tls=False)
         with pytest.raises(KVStoreUnavailable):

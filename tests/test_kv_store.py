@@ -9,29 +9,9 @@ import torch
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
-from genrec.online.decoding.prefix_kv import ModelVersionMismatch, PrefixKV
-from genrec.online.prefix_kv_store import LocalDirKVStore, PrefixKVEntry, open_kv_store
-
-
-def _prefix_kv(n_tokens: int, model_version: str = "m1", layers: int = 2) -> PrefixKV:
-    generator = torch.Generator().manual_seed(n_tokens)
-    shape = (2, n_tokens - 1, 4)  # [kv heads, cached tokens, head dim]
-    keys = [torch.randn(shape, generator=generator) for _ in range(layers)]
-    values = [torch.randn(shape, generator=generator) for _ in range(layers)]
-    return PrefixKV(list(range(1, n_tokens + 1)), keys, values, model_version)
-
-
-def _entry(user_id: str, kv_version: int, n_tokens: int, row: int = 10) -> PrefixKVEntry:
-    return PrefixKVEntry(
-        user_id=user_id,
-        kv_version=kv_version,
-        model_version="m1",
-        cutoff_event_row=row,
-        cutoff_ts_ms=1000 * row,
-        cutoff_event_id=f"e{row}",
-        n_tokens=n_tokens,
-        prompt_sha1=f"sha-{user_id}-{n_tokens}",
-    )
+from genrec.online.decoding.prefix_kv import ModelVersionMismatch
+from genrec.online.prefix_kv_store import LocalDirKVStore, open_kv_store
+from tests.helpers import kv_entry, random_prefix_kv
 
 
 @pytest.fixture
@@ -41,8 +21,8 @@ def store(tmp_path: Path) -> LocalDirKVStore:
 
 
 def test_round_trip_and_lookup(store: LocalDirKVStore) -> None:
-    written = {"u1": _prefix_kv(5), "user/with odd:chars": _prefix_kv(9)}
-    store.put_many(1, [(_entry(u, 1, len(p.prompt_ids)), p) for u, p in written.items()])
+    written = {"u1": random_prefix_kv(5), "user/with odd:chars": random_prefix_kv(9)}
+    store.put_many(1, [(kv_entry(u, 1, len(p.prompt_ids)), p) for u, p in written.items()])
     for user_id, original in written.items():
         entry = store.lookup(1, user_id)
         assert entry is not None and entry.user_id == user_id
@@ -58,24 +38,24 @@ def test_round_trip_and_lookup(store: LocalDirKVStore) -> None:
 
 
 def test_load_refuses_another_model_version(store: LocalDirKVStore) -> None:
-    store.put_many(1, [(_entry("u1", 1, 5), _prefix_kv(5))])
+    store.put_many(1, [(kv_entry("u1", 1, 5), random_prefix_kv(5))])
     with pytest.raises(ModelVersionMismatch):
         store.load(store.lookup(1, "u1"), expected_model_version="m2")
 
 
 def test_model_versions_compare_as_text(store: LocalDirKVStore) -> None:
-    store.put_many(1, [(_entry("u1", 1, 5), _prefix_kv(5, model_version="3"))])
+    store.put_many(1, [(kv_entry("u1", 1, 5), random_prefix_kv(5, model_version="3"))])
     assert store.load(store.lookup(1, "u1"), expected_model_version=3).model_version == "3"
 
 
 def test_entry_of_another_version_is_refused(store: LocalDirKVStore) -> None:
     with pytest.raises(ValueError, match="KV version"):
-        store.put_many(2, [(_entry("u1", 1, 5), _prefix_kv(5))])
+        store.put_many(2, [(kv_entry("u1", 1, 5), random_prefix_kv(5))])
 
 
 def test_sizes_report_per_user_and_total(store: LocalDirKVStore) -> None:
     lengths = {"a": 3, "b": 10, "c": 30}
-    store.put_many(1, [(_entry(u, 1, n), _prefix_kv(n)) for u, n in lengths.items()])
+    store.put_many(1, [(kv_entry(u, 1, n), random_prefix_kv(n)) for u, n in lengths.items()])
     per_user = store.user_sizes(1)
     sizes = store.sizes(1)
     assert sizes["users"] == 3
@@ -87,9 +67,9 @@ def test_sizes_report_per_user_and_total(store: LocalDirKVStore) -> None:
 
 
 def test_reuse_carries_a_file_into_the_next_version(store: LocalDirKVStore) -> None:
-    store.put_many(1, [(_entry("u1", 1, 5), _prefix_kv(5))])
+    store.put_many(1, [(kv_entry("u1", 1, 5), random_prefix_kv(5))])
     old = store.lookup(1, "u1")
-    moved = _entry("u1", 2, 5, row=12)  # newer cutoff, same prompt
+    moved = kv_entry("u1", 2, 5, row=12)  # newer cutoff, same prompt
     store.reuse_many(2, [(moved, old)])
     store.garbage_collect(keep_versions=[2])
     entry = store.lookup(2, "u1")
@@ -99,7 +79,7 @@ def test_reuse_carries_a_file_into_the_next_version(store: LocalDirKVStore) -> N
 
 def test_garbage_collect_keeps_only_given_versions(store: LocalDirKVStore) -> None:
     for version in (1, 2, 3):
-        store.put_many(version, [(_entry("u1", version, 4), _prefix_kv(4))])
+        store.put_many(version, [(kv_entry("u1", version, 4), random_prefix_kv(4))])
     orphan = store.root / "v000009" / "ab"  # what a killed run leaves: files, maybe no rows
     orphan.mkdir(parents=True)
     (orphan / "x.safetensors.partial").write_bytes(b"half")
