@@ -52,6 +52,16 @@ CACHED_USERS = [str(u) for u in range(1, SERVING_USERS + 1)]  # every one has a 
 # --- helpers: the worker process, events in, recommendations out ----------------------
 
 
+def service_env(home: Path, kafka: KafkaSettings) -> dict[str, str]:
+    """The environment of a `genrec` service on ``home``'s store and the test's events topic."""
+    return {
+        **os.environ,
+        "GENREC_HOME": str(home),
+        "GENREC_KAFKA__BOOTSTRAP": kafka.bootstrap,
+        "GENREC_KAFKA__TOPIC_EVENTS": kafka.topic_events,
+    }
+
+
 class Worker:
     """One `genrec serve` subprocess; its log goes to ``log_path``."""
 
@@ -69,10 +79,7 @@ class Worker:
         self.port = pick_free_ports(1)[0]
         self.log_path = log_path
         env = {
-            **os.environ,
-            "GENREC_HOME": str(home),
-            "GENREC_KAFKA__BOOTSTRAP": kafka.bootstrap,
-            "GENREC_KAFKA__TOPIC_EVENTS": kafka.topic_events,
+            **service_env(home, kafka),
             "GENREC_KAFKA__TOPIC_RECOMMENDATIONS": kafka.topic_recommendations,
             "GENREC_ONLINE__GROUP_ID": group,
             "GENREC_ONLINE__AUTO_OFFSET_RESET": "earliest",
@@ -577,10 +584,7 @@ class Ingest:
     def __init__(self, home: Path, kafka: KafkaSettings, log_path: Path) -> None:
         self.log_path = log_path
         env = {
-            **os.environ,
-            "GENREC_HOME": str(home),
-            "GENREC_KAFKA__BOOTSTRAP": kafka.bootstrap,
-            "GENREC_KAFKA__TOPIC_EVENTS": kafka.topic_events,
+            **service_env(home, kafka),
             "GENREC_KAFKA__TOPIC_DLQ": kafka.topic_dlq,
             "GENREC_INGEST__GROUP_ID": f"genrec-ingest-{uuid.uuid4().hex[:6]}",
             "GENREC_INGEST__SESSION_TIMEOUT_MS": "6000",
