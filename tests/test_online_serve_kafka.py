@@ -745,8 +745,8 @@ def _leader_of(kafka: KafkaSettings, topic: str, partition: int) -> int:
 
 @pytest.mark.xfail(
     strict=False,
-    reason="known defect (#21 open): after the coordinators' node is killed, about 1 run in 6 "
-    "answers a partition's events twice: the group's committed offset for it goes back to "
+    reason="known defect (#21 open): after the coordinators' node is killed, 1 run in 14 "
+    "answered a partition's events twice: the group's committed offset for it goes back to "
     "one no logged transaction committed (an aborted transaction's offsets surfacing later)",
 )
 def test_cluster_broker_kill_9_exactly_once_answers_every_event_once(

@@ -61,6 +61,7 @@ def test_weighted_worker_means_average_to_the_whole_batch_mean():
     assert DataShard(2, 3).take_weighted(rows[:2], len) == (rows[:1], 0.0)
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~20 s, too long for test-fast
 def test_one_worker_needs_no_ray():
     code = (
         "import sys; import genrec.offline.training.run, genrec.offline.training.cli; "
