@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
 from genrec.infra.database import make_engine
@@ -55,6 +56,7 @@ def _wait_for(marker: Path, child: subprocess.Popen, limit_s: float = 600) -> No
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # a refresh subprocess killed -9 mid-run: ~18 s, make test only
 def test_killed_refresh_leaves_previous_version_serving(tmp_path: Path) -> None:
     database_url = f"sqlite:///{tmp_path / 'genrec.db'}"
     settings = make_settings(tmp_path, database_url, lock_lease_s=LEASE_S)
