@@ -182,7 +182,7 @@ class PrefixKVCache:
             return found, set()
         # Loaded outside the lock: a store read must not hold up the engine's recount.
         try:
-            loaded = _load_many(kv_store, kv_version, missing, model_version)
+            loaded = kv_store.load_many(kv_version, missing, expected_model_version=model_version)
         except KVStoreUnavailable as exc:
             metrics.PREFIX_KV_LOOKUPS.labels(result="unavailable").inc(len(missing))
             self._log_unavailable(exc, len(missing))
@@ -254,26 +254,6 @@ class PrefixKVCache:
 
     def __len__(self) -> int:
         return len(self._entries)
-
-
-def _load_many(kv_store: Any, kv_version: str, user_ids: list[str], model_version: Any) -> dict:
-    """``kv_store.load_many``, or one lookup and load per user for a store without it."""
-    if hasattr(kv_store, "load_many"):
-        return kv_store.load_many(kv_version, user_ids, expected_model_version=model_version)
-    loaded: dict[str, Any] = {}
-    for user_id in user_ids:
-        entry = kv_store.lookup(kv_version, user_id)
-        if entry is not None:
-            try:
-                loaded[user_id] = (
-                    entry,
-                    kv_store.load(entry, expected_model_version=model_version),
-                )
-            except KVStoreUnavailable:
-                raise
-            except Exception as exc:  # noqa: BLE001 - this user's cache, not the batch
-                loaded[user_id] = exc
-    return loaded
 
 
 def _prefix_bytes(found: Any) -> int:

@@ -74,6 +74,10 @@ class FakeKVStore:
         self.loads += 1
         return f"prefix-kv@{entry.cutoff_event_row}"
 
+    def load_many(self, kv_version, user_ids, expected_model_version):
+        found = {u: self.lookup(kv_version, u) for u in user_ids}
+        return {u: (e, self.load(e, expected_model_version)) for u, e in found.items() if e}
+
 
 def event(event_id: str, user_id: str, item_id: str, ts: int) -> UserEvent:
     return UserEvent(event_id=event_id, user_id=user_id, item_id=item_id, event_type="view", ts=ts)
