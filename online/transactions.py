@@ -119,7 +119,7 @@ class TransactionalPublisher:
             raise TransactionAborted(f"{type(exc).__name__}: {exc}") from exc
         self.transactions += 1
         log.debug("committed transaction %d: %d messages, offsets %s",
-                  self.transactions, len(payloads), dict(offsets))  # fmt: skip
+                  self.transactions, len(payloads), offsets)  # fmt: skip
 
     def _bounded(self, what: str, step: str, *args: Any) -> None:
         """A transactional step, waited for at most ``timeout_s``.
