@@ -19,6 +19,21 @@ whatever crashes between the publish and the commit. Fencing, two ways:
 timeout) and ``ProducerFenced`` when another instance with this
 ``transactional.id`` took over: then this worker must stop.
 
+A transaction that fails once its offsets were sent (or tried), or whose wait timed
+out, is not aborted on its producer: the producer is closed and a new one started,
+whose ``init_transactions`` bumps the epoch (aborting the open transaction on the
+broker, fencing anything the old one still had queued). kafka-python 3.0 keeps a
+transaction's offsets in one dict per producer until the group coordinator accepts
+them (``TransactionManager._pending_txn_offset_commits``), clears it neither on abort
+nor on the next ``begin_transaction``, and sends all of it with every later
+TxnOffsetCommit: a commit refused under a rebalance would otherwise resurface in the
+producer's next transaction and set the partition's committed offset back behind what
+its new owner had committed (``tests/test_transactions.py``). A transaction that
+failed before its offsets is aborted on the same producer (cheaper, and it leaves
+nothing behind). ``committed`` holds, per partition, the next offset of the last
+transaction this publisher committed: offsets behind it are refused (their events
+were answered in that transaction).
+
 Example::
 
     publisher = TransactionalPublisher(lambda: KafkaProducer(transactional_id="genrec-online.w1", ...))
@@ -67,6 +82,7 @@ class TransactionalPublisher:
         self.producer = self._start()
         self.transactions = 0
         self.aborted = 0
+        self.committed: dict[Any, int] = {}  # next offset per partition, as last committed
 
     def _start(self) -> Any:
         producer = self._factory()
@@ -92,8 +108,14 @@ class TransactionalPublisher:
         """One transaction: ``payloads`` (key, value) to ``topic`` and ``offsets`` (next
         offset per consumed partition) for the group; committed when this returns."""
         if self.producer is None:  # the last replacement could not start: try again now
-            self._replace(TransactionAborted("no producer"))
-        producer = self.producer
+            self._replace("no producer")
+        behind = {tp: o for tp, o in offsets.items() if o <= self.committed.get(tp, -1)}
+        if behind:  # a committed transaction of ours answered these events already
+            raise TransactionAborted(
+                f"offsets {_describe(behind)} are not past those this worker committed "
+                f"({_describe({tp: self.committed[tp] for tp in behind})})"
+            )
+        producer, offsets_tried = self.producer, False
         try:
             producer.begin_transaction()
             for key, value in payloads:
@@ -102,22 +124,24 @@ class TransactionalPublisher:
                 committed = {
                     tp: OffsetAndMetadata(offset, "", -1) for tp, offset in offsets.items()
                 }
+                offsets_tried = True
                 self._bounded("sending the offsets", "send_offsets_to_transaction",
                               committed, group_metadata)  # fmt: skip
             self._bounded("committing", "begin_commit")  # flushes the sends first
         except FENCED as exc:
             raise ProducerFenced(str(exc)) from exc
-        except TransactionTimeout as exc:
-            # Its state is unknown: a new producer's init_transactions settles it (aborts
-            # or completes it on the broker) before anything else is sent.
-            self.aborted += 1
-            self._replace(exc)
-            raise TransactionAborted(str(exc)) from exc
         except Exception as exc:
             self.aborted += 1
-            self._abort()
-            raise TransactionAborted(f"{type(exc).__name__}: {exc}") from exc
+            cause = str(exc) if isinstance(exc, TransactionTimeout) else _name(exc)
+            if offsets_tried or isinstance(exc, TransactionTimeout):
+                # Its state (and kafka-python's pending offsets) unknown or stale: a new
+                # producer's init_transactions settles it on the broker first.
+                self._replace(cause)
+                raise TransactionAborted(f"{cause}; a new producer took over") from exc
+            raise TransactionAborted(f"{cause}; {self._abort(cause)}") from exc
         self.transactions += 1
+        for tp, offset in offsets.items():
+            self.committed[tp] = max(offset, self.committed.get(tp, -1))
         log.debug("committed transaction %d: %d messages, offsets %s",
                   self.transactions, len(payloads), offsets)  # fmt: skip
 
@@ -134,20 +158,24 @@ class TransactionalPublisher:
         if not result.wait(timeout_ms=self.timeout_s * 1000):
             raise TransactionTimeout(f"{what} got no answer within {self.timeout_s:g} s")
 
-    def _abort(self) -> None:
-        """Abort the open transaction; a producer that cannot (its state is fatal) is replaced:
-        the new one's ``init_transactions`` aborts it on the broker instead."""
+    def _abort(self, cause: str) -> str:
+        """Abort the open transaction; a producer that cannot (its state is fatal, or no
+        answer) is replaced: the new one's ``init_transactions`` aborts it on the broker
+        instead. Returns what was done, for the caller's one log line."""
         try:
             self._bounded("aborting", "begin_abort")
-            return
+            return "aborted"
         except FENCED as exc:
             raise ProducerFenced(str(exc)) from exc
         except Exception as exc:
-            self._replace(exc)
+            self._replace(f"{cause}; aborting failed: {_name(exc)}")
+            return f"aborting failed ({_name(exc)}), a new producer took over"
 
-    def _replace(self, cause: BaseException) -> None:
-        """Close this producer and start another with the same ``transactional.id``."""
-        log.warning("transaction failed (%s); starting a new producer", cause)
+    def _replace(self, cause: str) -> None:
+        """Close this producer and start another with the same ``transactional.id``.
+
+        Logged at debug level: the caller's ``TransactionAborted`` says it, once."""
+        log.debug("starting a new transactional producer (%s)", cause)
         if self.producer is not None:
             try:
                 self.producer.close(timeout=CLOSE_TIMEOUT_S)
@@ -159,8 +187,17 @@ class TransactionalPublisher:
         except ProducerFenced:
             raise
         except Exception as exc:  # no coordinator yet, say: the batch is retried, and so is this
-            raise TransactionAborted(f"no new producer yet: {type(exc).__name__}: {exc}") from exc
+            raise TransactionAborted(f"{cause}; no new producer yet: {_name(exc)}") from exc
 
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close(timeout=CLOSE_TIMEOUT_S)
+
+
+def _name(exc: BaseException) -> str:
+    text, kind = str(exc), type(exc).__name__
+    return text if text.startswith(kind) else f"{kind}: {text}"  # kafka errors name themselves
+
+
+def _describe(offsets: Mapping[Any, int]) -> str:
+    return ", ".join(f"{tp.topic}:{tp.partition}@{o}" for tp, o in sorted(offsets.items()))

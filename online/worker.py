@@ -176,8 +176,8 @@ class OnlineWorker(BatchHandler):
     # --- the loop's hooks (BatchHandler) -------------------------------------------------
 
     def take_records(self, polled: dict[Any, list[Any]], received_at: float) -> None:
-        for records in polled.values():
-            for record in records:
+        for partition, records in polled.items():
+            for record in self._not_answered(partition, records):
                 item = _Polled(record, self._parse(record), received_at)
                 self._open.append(item)
                 if item.event is not None:
@@ -256,6 +256,22 @@ class OnlineWorker(BatchHandler):
 
     # --- gather and prepare (the consumer's thread) --------------------------------------
 
+    def _not_answered(self, partition: Any, records: list[Any]) -> list[Any]:
+        """Exactly-once: records below the offset this worker's last committed transaction
+        gave the partition were answered in it; read again (the group's committed offset
+        went back, say), they are skipped, not answered twice."""
+        floor = self.publisher.committed.get(partition) if self.publisher else None
+        if floor is None or not records or records[0].offset >= floor:  # in offset order
+            return records
+        kept = [r for r in records if r.offset >= floor]
+        skipped = len(records) - len(kept)
+        log.warning(
+            "skipping %d events of %s from offset %d: answered already, up to offset %d",
+            skipped, partition, records[0].offset, floor - 1,
+        )  # fmt: skip
+        metrics.ERRORS.labels(component="online", kind="already_answered").inc(skipped)
+        return kept
+
     def _parse(self, record: Any) -> UserEvent | None:
         result = validate_event(record.value, self.settings.ingest.max_message_bytes)
         if isinstance(result, UserEvent):
@@ -332,6 +348,7 @@ class OnlineWorker(BatchHandler):
         offsets = _next_offsets(batch.polled)
         batch.expect_acks(0)
         if set(self._owned(offsets)) != set(offsets):  # revoked meanwhile: its new owner's
+            log.info("%d requests not published: their partitions were revoked", batch.users)
             batch.failed(TransactionAborted("partitions revoked before publishing"))
             return
         try:
@@ -339,8 +356,10 @@ class OnlineWorker(BatchHandler):
                 self.settings.kafka.topic_recommendations, payloads, offsets,
                 self.consumer.group_metadata(),
             )  # fmt: skip
-        except TransactionAborted as exc:  # logged here: a rebalance may drop the batch unseen
-            log.warning("transaction of %d requests aborted (%s)", batch.users, exc)
+        except TransactionAborted as exc:  # logged here (a rebalance may drop the batch
+            # unseen), and only here: _rewind does not log it again
+            log.warning("transaction of %d requests aborted (%s); they will be served again",
+                        batch.users, exc)  # fmt: skip
             batch.failed(exc)
             return
         except ProducerFenced as exc:
@@ -466,10 +485,12 @@ class OnlineWorker(BatchHandler):
         failed = self._in_flight[0]
         metrics.ERRORS.labels(component="online", kind=failed.failed_in).inc()
         if failed.failed_in == "publish":
-            log.error(
-                "publishing %d recommendations failed (%s); the batch will be retried",
-                failed.users, failed.error,
-            )  # fmt: skip
+            # A transaction's failure was logged where it happened (_publish_transaction).
+            if not isinstance(failed.error, (TransactionAborted, ProducerFenced)):
+                log.error(
+                    "publishing %d recommendations failed (%s); the batch will be retried",
+                    failed.users, failed.error,
+                )  # fmt: skip
             self.report.publish_failures += 1
         self._failures += 1
         records = [p for batch in self._in_flight for p in batch.polled] + self._open

@@ -732,16 +732,71 @@ def test_exactly_once_commits_messages_and_offsets_in_one_transaction() -> None:
     assert worker.settings.online.transactional_id() == "genrec-online.w1"
 
 
-def test_exactly_once_an_aborted_transaction_is_served_again_and_never_seen_twice() -> None:
+def test_exactly_once_an_aborted_transaction_is_served_again_and_never_seen_twice(
+    caplog,
+) -> None:
     batch = [record(2, 40, "c1", "carol"), record(2, 41, "d1", "dave")]
     producer = FakeTransactionalProducer(fail_commits=1)
     worker, consumer, producer = exactly_once_worker([batch], producer)
-    report = worker.run(exit_when_idle_s=IDLE_S)
-    assert producer.log == ["init", "begin", "abort", "begin", "commit"]
+    with caplog.at_level("INFO", logger="genrec.online"):
+        report = worker.run(exit_when_idle_s=IDLE_S)
+    # Its offsets were sent: not aborted on this producer but a new one started (the
+    # factory hands the same fake back), whose init aborts it on the broker.
+    assert producer.log == ["init", "begin", "init", "begin", "commit"]
     assert consumer.seeks == [(2, 40)]
     assert sorted(m.event_id for _, m in producer.sent) == ["c1", "d1"]  # once each
     assert producer.committed_offsets == {TopicPartition(TOPIC, 2): 42}
     assert report.publish_failures == 1
+    failures = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+    assert failures == [  # one line for the aborted transaction, not one per layer
+        "transaction of 2 requests aborted (CommitFailedError: stale generation; a new "
+        "producer took over); they will be served again"
+    ]
+
+
+def test_a_transaction_that_failed_before_its_offsets_is_aborted_on_its_producer() -> None:
+    class NoLeader(FakeTransactionalProducer):
+        def send(self, topic, key, value):
+            raise kafka_errors.KafkaTimeoutError("no partition leader")
+
+    made: list = []
+
+    def factory():
+        made.append(NoLeader())
+        return made[-1]
+
+    publisher = TransactionalPublisher(factory)
+    with pytest.raises(TransactionAborted, match="no partition leader; aborted"):
+        publisher.publish("t", [(b"k", b"{}")], {TopicPartition(TOPIC, 0): 3}, "generation-1")
+    assert len(made) == 1 and made[0].log == ["init", "begin", "abort"] and not made[0].closed
+    assert publisher.aborted == 1 and publisher.committed == {}
+
+
+def test_a_transactional_publisher_refuses_offsets_behind_its_last_commit() -> None:
+    tp = TopicPartition(TOPIC, 0)
+    publisher = TransactionalPublisher(FakeTransactionalProducer)
+    publisher.publish("t", [], {tp: 36}, "generation-1")
+    for behind in (8, 36):  # 36 again: its last event (35) was answered too
+        with pytest.raises(TransactionAborted, match="not past those this worker committed"):
+            publisher.publish("t", [], {tp: behind}, "generation-1")
+    assert publisher.producer.log == ["init", "begin", "commit"]  # nothing begun for them
+    publisher.publish("t", [], {tp: 37}, "generation-1")
+    assert publisher.committed == {tp: 37} and publisher.producer.committed_offsets == {tp: 37}
+
+
+def test_exactly_once_events_below_the_last_committed_offset_are_not_answered_again() -> None:
+    """The group's committed offset went back (a stale commit) and the worker reads from
+    it: what its own committed transaction answered is skipped, the rest served."""
+    tp0 = TopicPartition(TOPIC, 0)
+    first = [record(0, 5, "a5", "alice"), record(0, 6, "b6", "bob")]
+    again = [record(0, 5, "a5", "alice"), record(0, 6, "b6", "bob"), record(0, 7, "c7", "carol")]
+    worker, consumer, producer = exactly_once_worker([first], FakeTransactionalProducer())
+    worker.run(exit_when_idle_s=IDLE_S)
+    assert worker.publisher.committed == {tp0: 7}
+    worker.take_records({tp0: again}, 0.0)
+    assert [p.record.offset for p in worker._open] == [7]
+    worker.take_records({tp0: [record(0, 8, "d8", "dave")]}, 0.0)  # past it: all kept
+    assert [p.record.offset for p in worker._open] == [7, 8]
 
 
 def test_exactly_once_a_fenced_worker_stops() -> None:

@@ -1,0 +1,146 @@
+"""TransactionalPublisher (online/transactions.py) driven through kafka-python's own
+TransactionManager, with a scripted broker in place of the network: what each
+transactional request carries, and what the group's committed offsets become."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from kafka.producer.transaction_manager import (
+    AddOffsetsToTxnHandler,
+    EndTxnHandler,
+    InitProducerIdHandler,
+    TransactionManager,
+    TxnOffsetCommitHandler,
+)
+from kafka.structs import ConsumerGroupMetadata, TopicPartition
+
+from genrec.online.transactions import TransactionAborted, TransactionalPublisher
+
+TOPIC = "genrec.user-events"
+P1, P2 = TopicPartition(TOPIC, 1), TopicPartition(TOPIC, 2)
+GROUP = ConsumerGroupMetadata("genrec-online", 3, "member-a", None)
+NO_ERROR, ILLEGAL_GENERATION = 0, 22
+
+
+class ScriptedBroker:
+    """The transaction and group coordinators of one ``transactional.id``: answers each
+    request a TransactionManager dequeues, keeps the group's committed offsets (a
+    transaction's offsets count once its EndTxn commits), and records every
+    TxnOffsetCommit's offsets. ``refuse_offsets`` answers that many TxnOffsetCommits with
+    ILLEGAL_GENERATION (the group rebalanced under the transaction)."""
+
+    def __init__(self) -> None:
+        self.epoch = -1
+        self.refuse_offsets = 0
+        self.committed: dict[TopicPartition, int] = {}
+        self.offset_commits: list[dict[TopicPartition, int]] = []  # every TxnOffsetCommit sent
+        self.end_txns: list[bool] = []  # each EndTxn: True commit, False abort
+        self._in_txn: dict[TopicPartition, int] = {}
+
+    def answer(self, manager: TransactionManager) -> None:
+        while (handler := manager.next_request_handler(False)) is not None:
+            correlation_id = manager.next_in_flight_request_correlation_id()
+            handler.on_complete(correlation_id, self._response(handler))
+
+    def _response(self, handler) -> SimpleNamespace:
+        if isinstance(handler, InitProducerIdHandler):
+            self.epoch += 1  # bumps the epoch: fences, and aborts what the last one left open
+            self._in_txn = {}
+            return SimpleNamespace(error_code=NO_ERROR, producer_id=7, producer_epoch=self.epoch)
+        if isinstance(handler, AddOffsetsToTxnHandler):
+            return SimpleNamespace(error_code=NO_ERROR)
+        if isinstance(handler, TxnOffsetCommitHandler):
+            request = handler.request
+            assert request.producer_epoch == self.epoch  # an older epoch would be fenced
+            sent = {
+                TopicPartition(topic.name, p.partition_index): p.committed_offset
+                for topic in request.topics
+                for p in topic.partitions
+            }
+            self.offset_commits.append(sent)
+            code = NO_ERROR
+            if self.refuse_offsets:
+                self.refuse_offsets -= 1
+                code = ILLEGAL_GENERATION
+            else:
+                self._in_txn.update(sent)
+            by_topic: dict[str, list] = {}
+            for tp in sent:
+                by_topic.setdefault(tp.topic, []).append((tp.partition, code))
+            return SimpleNamespace(topics=list(by_topic.items()))
+        if isinstance(handler, EndTxnHandler):
+            committed = handler.request.committed
+            self.end_txns.append(committed)
+            if committed:
+                self.committed.update(self._in_txn)
+            self._in_txn = {}
+            return SimpleNamespace(error_code=NO_ERROR)
+        raise AssertionError(f"unexpected request {handler.request}")
+
+
+class ManagedProducer:
+    """The parts of KafkaProducer the publisher uses, over a real TransactionManager; its
+    sender answers through the broker at once (no payloads: offsets only)."""
+
+    def __init__(self, broker: ScriptedBroker) -> None:
+        self._transaction_manager = TransactionManager(
+            transactional_id="genrec-online.w1", transaction_timeout_ms=60000
+        )
+        self._sender = SimpleNamespace(wakeup=lambda: broker.answer(self._transaction_manager))
+        self.closed = False
+
+    def init_transactions(self) -> None:
+        result = self._transaction_manager.initialize_transactions()
+        self._sender.wakeup()
+        assert result.wait(timeout_ms=1000)
+
+    def begin_transaction(self) -> None:
+        self._transaction_manager.begin_transaction()
+
+    def close(self, timeout=None) -> None:
+        self.closed = True
+
+
+def publisher_on(broker: ScriptedBroker) -> tuple[TransactionalPublisher, list[ManagedProducer]]:
+    made: list[ManagedProducer] = []
+
+    def factory() -> ManagedProducer:
+        made.append(ManagedProducer(broker))
+        return made[-1]
+
+    return TransactionalPublisher(factory, timeout_s=1.0), made
+
+
+def test_a_refused_offset_commit_never_surfaces_in_a_later_transaction() -> None:
+    """kafka-python keeps a transaction's offsets in one dict per producer
+    (``_pending_txn_offset_commits``) until the group coordinator accepts them, and
+    neither an abort nor the next transaction clears it: each later TxnOffsetCommit
+    names every offset still in it. A refused commit (a rebalance under the
+    transaction) whose transaction was aborted would commit its stale offsets with the
+    producer's next transaction, after the partition's new owner had moved on (the
+    broker-kill test's duplicates). The publisher replaces the producer instead."""
+    broker = ScriptedBroker()
+    publisher, made = publisher_on(broker)
+    broker.committed[P1] = 36  # P1's new owner committed 36 meanwhile
+    broker.refuse_offsets = 1
+    with pytest.raises(TransactionAborted, match="new producer"):
+        publisher.publish(TOPIC, [], {P1: 8, P2: 20}, GROUP)
+    publisher.publish(TOPIC, [], {P2: 20}, GROUP)  # P1 is another worker's now
+    assert broker.offset_commits == [{P1: 8, P2: 20}, {P2: 20}]
+    assert broker.committed == {P1: 36, P2: 20}
+    assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
+    assert broker.end_txns == [True]  # the new producer's init aborted the first one
+    assert publisher.aborted == 1 and publisher.transactions == 1
+
+
+def test_a_committed_transaction_leaves_no_offsets_behind() -> None:
+    """The same producer serves the next transaction when the last one committed."""
+    broker = ScriptedBroker()
+    publisher, made = publisher_on(broker)
+    publisher.publish(TOPIC, [], {P1: 8}, GROUP)
+    publisher.publish(TOPIC, [], {P2: 3}, GROUP)
+    assert broker.offset_commits == [{P1: 8}, {P2: 3}] and len(made) == 1
+    assert publisher.committed == {P1: 8, P2: 3}
+    assert not made[0]._transaction_manager._test_has_pending_offset_commits()
