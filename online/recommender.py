@@ -624,8 +624,16 @@ class ModelDecoder:
         mode, started = self._next_mode(), time.perf_counter()
         items: list[list[tuple[int, float]]] = [[] for _ in requests]
         stats: list[dict[str, Any]] = [{} for _ in requests]
-        with_prefix = [i for i, r in enumerate(requests) if r.prefix_kv is not None]
-        without = [i for i, r in enumerate(requests) if r.prefix_kv is None]
+        # in order of the tokens each prefills, so the engine prefills long and short ones
+        # in separate calls (slot_cache.pending_chunks) instead of padding all to the longest
+        with_prefix = sorted(
+            (i for i, r in enumerate(requests) if r.prefix_kv is not None),
+            key=lambda i: len(requests[i].suffix_tokens),
+        )
+        without = sorted(
+            (i for i, r in enumerate(requests) if r.prefix_kv is None),
+            key=lambda i: len(requests[i].full_prompt),
+        )
         if with_prefix:
             target_batch = PrefixBatch(
                 [requests[i].prefix_kv for i in with_prefix],

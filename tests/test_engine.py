@@ -15,9 +15,11 @@ from torch.profiler import profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from genrec.app.bench.decode import hf_generate_items
+from genrec.online.decoding import slot_cache
 from genrec.online.decoding.constraints import ItemConstraint, SeenItems
 from genrec.online.decoding.engine import batched_beam_search, batched_speculative_beam_search
 from genrec.online.decoding.prefix_kv import PrefixBatch, compute_prefix_kv
+from genrec.online.decoding.slot_cache import pending_chunks
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.decoding.trie_tables import TrieTables
 from genrec.online.models.item_vectors import attach_item_vectors
@@ -319,7 +321,10 @@ def operations(decode, prompts) -> int:
     )
 
 
-def test_a_decode_costs_the_same_operations_whatever_the_batch_size(case: Case):
+def test_a_decode_costs_the_same_operations_whatever_the_batch_size(case: Case, monkeypatch):
+    # one prefill call for all (ranges of similar suffix length would add a call per range:
+    # their number follows the spread of lengths, not the batch size)
+    monkeypatch.setattr(slot_cache, "PENDING_CALL_TOKENS", 10**9)
     few, many = case.prompts[:2], case.prompts * 3
     for decode in (
         lambda prompts: batched_beam_search(
@@ -332,3 +337,69 @@ def test_a_decode_costs_the_same_operations_whatever_the_batch_size(case: Case):
     ):
         decode(few), decode(many)  # the trie's tables, and KV storage that fits both, exist
         assert operations(decode, few) == operations(decode, many)
+
+
+def test_pending_chunks_split_only_where_padding_costs_more_than_a_call():
+    assert pending_chunks([4] * 64, call_tokens=256) == [(0, 64, 4)]
+    assert pending_chunks([4] * 10 + [150], call_tokens=256) == [(0, 10, 4), (10, 11, 150)]
+    # an outlier in the middle of unsorted rows gets a range of its own
+    assert pending_chunks([5] * 20 + [200] + [5] * 20, call_tokens=64) == [
+        (0, 20, 5), (20, 21, 200), (21, 41, 5)
+    ]  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(20):  # the cost is the least of every split into ranges (brute force)
+        lengths = torch.randint(1, 60, (7,), generator=generator).tolist()
+        cost = lambda chunks: sum(30 + (b - a) * w for a, b, w in chunks)  # noqa: E731
+        best = min(cost(_ranges(lengths, mask)) for mask in range(2 ** (len(lengths) - 1)))
+        chunks = pending_chunks(lengths, call_tokens=30)
+        assert cost(chunks) == best
+        assert [a for a, _, _ in chunks][1:] == [b for _, b, _ in chunks][:-1]
+
+
+def _ranges(lengths: list[int], cuts: int) -> list[tuple[int, int, int]]:
+    """The split of ``lengths`` with a cut after row i where bit i of ``cuts`` is set."""
+    ranges, first = [], 0
+    for i in range(len(lengths)):
+        if i == len(lengths) - 1 or cuts >> i & 1:
+            ranges.append((first, i + 1, max(lengths[first : i + 1])))
+            first = i + 1
+    return ranges
+
+
+@pytest.mark.parametrize("vectors", [False, True])
+def test_prefill_in_length_ranges_equals_one_padded_call(monkeypatch, vectors: bool):
+    """Long and short suffixes (and full prompts) prefilled range by range give the items and
+    scores of one call padded to the longest, target-only and strict."""
+    case = Case(seed=7, n_users=8)
+    if vectors:
+        attach_item_vectors(
+            case.target, case.trie, torch.randn(case.trie.n_items, 8, dtype=torch.float64)
+        )
+    generator = torch.Generator().manual_seed(1)
+    extra = [torch.randint(0, case.trie.n_items, (12 * (i % 4 == 1),), generator=generator)
+             for i in range(len(case.prompts))]  # fmt: skip
+    prompts = [
+        p + case.items[r].flatten().tolist() for p, r in zip(case.prompts, extra, strict=True)
+    ]
+    prefixes = compute_prefix_kv(case.target, case.prompts, "t")
+    draft_prefixes = compute_prefix_kv(case.draft, case.prompts, "d")
+    suffixes = [p[len(q) :] for p, q in zip(prompts, case.prompts, strict=True)]
+    assert {len(s) for s in suffixes} == {0, 12 * case.layout.depth}
+
+    def decode_all():
+        batch = PrefixBatch(prefixes, suffixes)
+        both = (batch, PrefixBatch(draft_prefixes, suffixes))
+        return [
+            batched_beam_search(case.target, batch, case.trie, case.layout, 5),
+            batched_beam_search(case.target, prompts, case.trie, case.layout, 5),
+            batched_speculative_beam_search(
+                case.target, case.draft, both, case.trie, case.layout, 5, n_draft=8
+            ),
+        ]
+
+    monkeypatch.setattr(slot_cache, "PENDING_CALL_TOKENS", 10**9)  # one call
+    padded = decode_all()
+    monkeypatch.setattr(slot_cache, "PENDING_CALL_TOKENS", 1)  # a range per length change
+    assert len(pending_chunks([len(s) + 1 for s in suffixes])) > 2
+    for chunked, reference in zip(decode_all(), padded, strict=True):
+        assert_same(chunked, reference, atol=1e-9)

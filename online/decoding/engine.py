@@ -596,7 +596,7 @@ class BatchedDecode:
             self.draft_fed_prompt = True
             empty = frontier.tokens[:, :0, 0]
             hidden = kv.forward(empty, empty, frontier.paths["draft"][:, :0], with_pending=True)
-            tips = kv.pending_tips[:, None].expand_as(frontier.scores)
+            tips = kv.tip_columns[:, None].expand_as(frontier.scores)
             return hidden.gather(1, tips[..., None].expand(-1, -1, hidden.shape[2]))
         # the beams' two newest tokens (the older may be in the cache), or D_{j-1}'s newest
         chain, newest = (2, levels) if j == 1 else (1, levels + j - 1)
@@ -614,20 +614,23 @@ class BatchedDecode:
         kv, k, n_users = self.target, self.k, self.n_users
         if first:  # the pending prompt, whose last token every beam (only beam 0 exists) ends in
             parts: list[list[torch.Tensor]] = [[], [], []]
-            tips = kv.pending_tips[:, None].expand_as(beams.scores)
-            offset = kv.pending_width
+            tips = kv.tip_columns[:, None].expand_as(beams.scores)
+            # the call's hidden states hold pending_columns of the pending tokens (all, or
+            # only the last after a chunked prefill); their slots are pending_width wide
+            offset, skipped = kv.pending_columns, kv.pending_width - kv.pending_columns
         else:
             ids, positions, rows, path = feed_newest(kv, beams, levels, "target", 1)
             beams.paths["target"] = path
             parts = [[ids], [positions], [rows]]
             tips, offset = torch.arange(k, device=self.device).expand(n_users, -1), k
+            skipped = 0
         parent_paths = beams.paths["target"]
         for j, level_nodes in enumerate(drafts, 1):
             nodes, n = level_nodes.beams, level_nodes.parents.shape[1]
             level = (levels + j - 1).clamp(max=self.depth - 1)
             rows = offset + torch.arange(n, device=self.device).expand(n_users, -1)
             parent = level_nodes.parents[..., None].expand(-1, -1, self.depth)
-            path = set_level(parent_paths.gather(1, parent), level, kv.cursor + rows)
+            path = set_level(parent_paths.gather(1, parent), level, kv.cursor + skipped + rows)
             nodes.paths["target"], level_nodes.rows = path, rows
             parts[0].append(at_level(nodes.tokens, level))
             parts[1].append(positions_at(kv, level, n))
