@@ -392,6 +392,13 @@ class RecallSettings(BaseModel):
     itemcf_last_m: int = Field(default=20, ge=1)  # history items that vote
     itemcf_recency_decay: float = Field(default=0.8, gt=0, le=1)
     itemcf_top_neighbors: int = Field(default=200, ge=1)
+    # Fitting on the store (offline/recall.py): users read per page, and the bound on each
+    # running co-occurrence sum (item-CF, ANN) in distinct item pairs (12 bytes each); above
+    # it every row keeps its cooccurrence_prune_to best pairs (approximate; None: exact).
+    # ML-100K (943 users, <= 2.8M pairs) is one page and never pruned.
+    fit_users_per_read: int = Field(default=10_000, ge=1)
+    cooccurrence_max_entries: int | None = Field(default=50_000_000, ge=1)
+    cooccurrence_prune_to: int = Field(default=400, ge=1)
     # ANN item embeddings: "cooccurrence" = SVD of the fitted co-occurrence (no leak of
     # held-out items); "semantic_ids" = the text embeddings of the semantic-ID build.
     ann_embeddings: Literal["cooccurrence", "semantic_ids"] = "cooccurrence"

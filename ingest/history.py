@@ -5,8 +5,9 @@ step that needs them:
 
 - ``load_user_histories``: every user, optionally up to a time (splits, evaluation,
   recall fitting);
-- ``history_pages``: a page of users at a time up to an ``events.id`` cutoff, optionally
-  only recently active users (the refresh's prefix-KV precompute; memory stays bounded);
+- ``history_pages``: a page of users at a time up to an ``events.id`` cutoff and/or a time,
+  optionally only recently active users (the refresh's prefix-KV precompute, fitting the
+  recall branches; memory stays bounded); ``newest_event_ts``: the newest event's time;
 - ``users_newest_first`` and ``load_histories_until``: the same users in pages ordered by
   their newest event up to the cutoff, newest first, and a page's histories (the
   refresh's prefix-KV precompute under a byte budget); ``count_inactive_users``: those
@@ -33,7 +34,7 @@ import heapq
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import ColumnElement, Engine, Select, and_, func, or_, select
+from sqlalchemy import ColumnElement, Engine, Select, and_, func, or_, select, true
 
 from genrec.schemas.tables import events, items, users
 
@@ -74,16 +75,22 @@ def load_histories_of(
 
 
 def history_pages(
-    engine: Engine, *, until_row: int, users_per_page: int, active_days: float | None = None
+    engine: Engine,
+    *,
+    until_row: int | None = None,
+    until_ts_ms: int | None = None,
+    users_per_page: int,
+    active_days: float | None = None,
 ) -> Iterator[dict[str, list[HistoryEvent]]]:
     """Pages of up to ``users_per_page`` users (in user-id order), each user's events with
-    ``events.id <= until_row`` in time order.
+    ``events.id <= until_row`` and ``ts_ms <= until_ts_ms`` (each when given) in time order.
 
     With ``active_days``, only users with an event that recent (counted back from the
     newest event below the cutoff). Each page is two short queries (the next user ids,
-    then their events), so no read transaction stays open between pages.
+    then their events), so no read transaction stays open between pages. The pages
+    together hold what ``load_user_histories`` returns, in the same order.
     """
-    below_cutoff = events.c.id <= until_row
+    below_cutoff = _below(until_row, until_ts_ms)
     active_since = _active_since(engine, below_cutoff, active_days)
     if active_since == _NO_EVENTS:
         return
@@ -97,6 +104,26 @@ def history_pages(
         in_range = (events.c.user_id >= users[0], events.c.user_id <= users[-1])
         yield _grouped(engine, _history_query(below_cutoff, *in_range), wanted=set(users))
         after = users[-1]
+
+
+def newest_event_ts(engine: Engine, *, until_ts_ms: int | None = None) -> int | None:
+    """The newest stored ``ts_ms`` (up to ``until_ts_ms`` when given); None without events."""
+    query = select(func.max(events.c.ts_ms))
+    if until_ts_ms is not None:
+        query = query.where(events.c.ts_ms <= until_ts_ms)
+    with engine.connect() as connection:
+        newest = connection.execute(query).scalar()
+    return None if newest is None else int(newest)
+
+
+def _below(until_row: int | None, until_ts_ms: int | None) -> ColumnElement[bool]:
+    """The cutoff condition of a paged read (true when neither bound is given)."""
+    conditions = []
+    if until_row is not None:
+        conditions.append(events.c.id <= until_row)
+    if until_ts_ms is not None:
+        conditions.append(events.c.ts_ms <= until_ts_ms)
+    return and_(true(), *conditions)
 
 
 def users_newest_first(

@@ -14,20 +14,27 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from genrec.ingest.history import load_item_ids, load_user_histories
+from genrec.infra.progress import progress_bar
+from genrec.ingest.history import history_pages, load_item_ids, newest_event_ts
 from genrec.online.branches import (
     AnnBranch,
+    CooccurrenceSum,
     ItemCFBranch,
     PopularityBranch,
+    PopularitySum,
     RecallBranch,
     cooccurrence_embeddings,
+    embeddings_of_cooccurrence,
 )
+
+logger = logging.getLogger(__name__)
 
 # --- fitting all branches ---------------------------------------------------------
 
@@ -76,14 +83,7 @@ def fit_branches(
             sequences, item_ids, dim=recall.ann_dim, window=recall.ann_window
         )
         source = "cooccurrence"
-    ann = AnnBranch.fit(
-        item_ids,
-        item_embeddings,
-        last_m=recall.ann_last_m,
-        half_life_items=recall.ann_half_life_items,
-        half_life_days=recall.ann_half_life_days,
-        source=source,
-    )
+    ann = _ann_branch(item_ids, item_embeddings, recall, source)
     return {"popularity": popularity, "itemcf": itemcf, "ann": ann}
 
 
@@ -107,17 +107,72 @@ def semantic_id_embeddings(settings, engine, item_ids: Sequence[str]) -> np.ndar
 
 
 def fit_store_branches(settings, engine, until_ts_ms: int | None = None) -> dict[str, RecallBranch]:
-    """Branches fitted on every stored event up to ``until_ts_ms`` (what serving uses)."""
-    histories = load_user_histories(engine, until_ts_ms=until_ts_ms)
-    if not histories:
+    """Branches fitted on every stored event up to ``until_ts_ms`` (what serving uses).
+
+    Users are read ``recall.fit_users_per_read`` at a time and each page is counted into
+    running sums (popularity scores, the item-CF and ANN co-occurrences), so memory is
+    those sums plus one page, not the store's histories or all their item pairs. With
+    fewer users than a page (ML-100K) this is the one-shot fit of ``fit_branches``.
+    """
+    recall = settings.recall
+    latest = newest_event_ts(engine, until_ts_ms=until_ts_ms)
+    if latest is None:
         raise ValueError("the behavior store has no events to fit recall branches on")
     item_ids = load_item_ids(engine)
-    sequences = {user: [e.item_id for e in events] for user, events in histories.items()}
-    stamps = {user: [e.ts_ms for e in events] for user, events in histories.items()}
-    embeddings = None
-    if settings.recall.ann_embeddings == "semantic_ids":
-        embeddings = semantic_id_embeddings(settings, engine, item_ids)
-    return fit_branches(sequences, item_ids, settings.recall, stamps, embeddings)
+    index = {item: i for i, item in enumerate(item_ids)}
+    bound = {
+        "max_entries": recall.cooccurrence_max_entries,
+        "prune_to": recall.cooccurrence_prune_to,
+    }
+    popularity = PopularitySum(len(item_ids), recall.popularity_half_life_days, latest)
+    itemcf = CooccurrenceSum(
+        len(item_ids), recall.itemcf_window, recall.itemcf_distance_decay,
+        recall.itemcf_backward_weight, **bound,
+    )  # fmt: skip
+    ann = None
+    if recall.ann_embeddings != "semantic_ids":
+        ann = CooccurrenceSum(len(item_ids), recall.ann_window, **bound)
+    pages = history_pages(engine, until_ts_ms=until_ts_ms, users_per_page=recall.fit_users_per_read)
+    for page in progress_bar(pages, desc="fit recall", unit="page"):
+        # an item first seen after ``load_item_ids`` (ingest runs on) waits for the next fit
+        known = [[e for e in events if e.item_id in index] for events in page.values()]
+        encoded = [[index[e.item_id] for e in events] for events in known]
+        popularity.add([p for seq in encoded for p in seq], [e.ts_ms for h in known for e in h])
+        itemcf.add(encoded)
+        if ann is not None:
+            ann.add(encoded)
+    logger.info(
+        "fit recall: %d events, %d pages; item-CF %d pairs (%d prunes)%s",
+        popularity.events, itemcf.pages, itemcf.total.nnz, itemcf.prunes,
+        "" if ann is None else f", ANN {ann.total.nnz} pairs ({ann.prunes} prunes)",
+    )  # fmt: skip
+    if ann is None:
+        embeddings, source = semantic_id_embeddings(settings, engine, item_ids), "given"
+    else:
+        embeddings = embeddings_of_cooccurrence(ann.matrix(), dim=recall.ann_dim)
+        source = "cooccurrence"
+    return {
+        "popularity": popularity.branch(item_ids),
+        "itemcf": ItemCFBranch.from_cooccurrence(
+            item_ids,
+            itemcf,
+            last_m=recall.itemcf_last_m,
+            recency_decay=recall.itemcf_recency_decay,
+            top_neighbors=recall.itemcf_top_neighbors,
+        ),
+        "ann": _ann_branch(item_ids, embeddings, recall, source),
+    }
+
+
+def _ann_branch(item_ids: Sequence[str], embeddings: np.ndarray, recall, source: str) -> AnnBranch:
+    return AnnBranch.fit(
+        item_ids,
+        embeddings,
+        last_m=recall.ann_last_m,
+        half_life_items=recall.ann_half_life_items,
+        half_life_days=recall.ann_half_life_days,
+        source=source,
+    )
 
 
 def save_branches(branches: Mapping[str, RecallBranch], root: str | Path) -> Path:

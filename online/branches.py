@@ -215,21 +215,10 @@ class PopularityBranch(RecallBranch):
                 if item in index:
                     positions.append(index[item])
                     stamps.append(ts)
-        ts = np.asarray(stamps, dtype=np.float64)
-        latest = float(ts.max()) if len(ts) else 0.0
-        if half_life_days is None:
-            weights = np.ones_like(ts)
-        else:
-            weights = 0.5 ** ((latest - ts) / (half_life_days * MS_PER_DAY))
-        scores = np.bincount(
-            np.asarray(positions, dtype=np.int64), weights, minlength=len(vocabulary)
-        )
-        params = {
-            "half_life_days": half_life_days,
-            "reference_ts_ms": int(latest),
-            "events": len(ts),
-        }
-        return cls(vocabulary, params, scores)
+        latest = max(stamps) if stamps else 0
+        counts = PopularitySum(len(vocabulary), half_life_days, latest)
+        counts.add(positions, stamps)
+        return counts.branch(vocabulary)
 
     def score_batch(self, histories, timestamps_ms) -> np.ndarray:
         return np.broadcast_to(self.scores, (len(histories), len(self.scores)))
@@ -240,6 +229,46 @@ class PopularityBranch(RecallBranch):
     @classmethod
     def from_arrays(cls, item_ids, params, arrays) -> PopularityBranch:
         return cls(item_ids, params, arrays["scores"])
+
+
+class PopularitySum:
+    """Popularity scores summed over pages of events (``PopularityBranch.fit``'s counting).
+
+    The reference time (the latest event) must be known before the first page, e.g. from
+    one aggregate query (``genrec.ingest.history.newest_event_ts``), so that each event's
+    weight is final when it is counted. Memory O(items); time O(events).
+    """
+
+    def __init__(self, n_items: int, half_life_days: float | None, reference_ts_ms: int) -> None:
+        if half_life_days is not None and half_life_days <= 0:
+            raise ValueError("recency weighting needs half_life_days > 0")
+        self.half_life_days = half_life_days
+        self.reference_ts_ms = int(reference_ts_ms)
+        self.scores = np.zeros(n_items, dtype=np.float64)
+        self.events = 0
+
+    def add(self, positions: Sequence[int], stamps: Sequence[int]) -> None:
+        """Count one page: catalog positions of its events and their times (ms)."""
+        ts = np.asarray(stamps, dtype=np.float64)
+        if self.half_life_days is None:
+            weights = np.ones_like(ts)
+        else:
+            age = float(self.reference_ts_ms) - ts
+            weights = 0.5 ** (age / (self.half_life_days * MS_PER_DAY))
+        page = np.bincount(
+            np.asarray(positions, dtype=np.int64), weights, minlength=len(self.scores)
+        )
+        # the first page is taken as it is: a single-page fit is the one-shot count exactly
+        self.scores = page if self.events == 0 else self.scores + page
+        self.events += len(ts)
+
+    def branch(self, item_ids: Sequence[str]) -> PopularityBranch:
+        params = {
+            "half_life_days": self.half_life_days,
+            "reference_ts_ms": self.reference_ts_ms,
+            "events": self.events,
+        }
+        return PopularityBranch(item_ids, params, self.scores)
 
 
 # --- item-CF --------------------------------------------------------------------
@@ -295,6 +324,79 @@ def _keep_top_per_row(matrix: sparse.csr_matrix, top: int) -> sparse.csr_matrix:
     return matrix
 
 
+def _prune_rows(
+    matrix: sparse.csr_matrix, keep: int, column_scale: np.ndarray
+) -> sparse.csr_matrix:
+    """Each row's ``keep`` largest entries by value x ``column_scale`` (ties: lower column);
+    vectorized (one sort of the entries), for the running sums of ``CooccurrenceSum``."""
+    matrix.sum_duplicates()
+    rows = np.repeat(np.arange(matrix.shape[0]), np.diff(matrix.indptr))
+    rank_key = matrix.data * column_scale[matrix.indices]
+    order = np.lexsort((matrix.indices, -rank_key, rows))
+    rank = np.arange(matrix.nnz) - matrix.indptr[rows[order]]
+    kept = np.sort(order[rank < keep])  # back in (row, column) order: still canonical CSR
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(rows[kept], minlength=matrix.shape[0]))])
+    return sparse.csr_matrix((matrix.data[kept], matrix.indices[kept], indptr), shape=matrix.shape)
+
+
+class CooccurrenceSum:
+    """``cooccurrence_matrix`` summed over pages of sequences, plus item occurrence counts.
+
+    A fit that reads users a page at a time adds each page's matrix to a CSR sum, so
+    memory is the sum (12 bytes per distinct item pair) plus one page's pairs, never
+    every pair occurrence of the store. A user's pairs lie within their own sequence,
+    so pages of whole users sum to exactly the one-shot matrix (up to the order of
+    floating-point additions; a single page is the one-shot matrix bit for bit).
+
+    ``max_entries`` bounds the sum: when a page leaves it with more distinct pairs, every
+    row is cut to its ``prune_to`` largest entries, ranked by C[i, j] / sqrt(n_j) over the
+    counts so far (the cosine order the item-CF fit ranks by, for row i). That is an
+    approximation: a pair cut early loses what it had summed, and counts again from the
+    next page on. Memory then stays about max(max_entries, items x prune_to) entries.
+    None: no bound (exact).
+    """
+
+    def __init__(
+        self,
+        n_items: int,
+        window: int,
+        distance_decay: float = 1.0,
+        backward_weight: float = 1.0,
+        *,
+        max_entries: int | None = None,
+        prune_to: int = 400,
+    ) -> None:
+        if prune_to < 1:
+            raise ValueError("prune_to must be >= 1")
+        self.n_items, self.window = n_items, window
+        self.distance_decay, self.backward_weight = distance_decay, backward_weight
+        self.max_entries, self.prune_to = max_entries, prune_to
+        self.total = sparse.csr_matrix((n_items, n_items))
+        self.counts = np.zeros(n_items, dtype=np.int64)
+        self.pages = 0
+        self.prunes = 0
+
+    def add(self, encoded: Sequence[Sequence[int]]) -> None:
+        """Add one page: sequences of catalog positions (one per user, time order)."""
+        flat = [np.asarray(s, dtype=np.int64) for s in encoded]
+        if flat:
+            self.counts += np.bincount(np.concatenate(flat), minlength=self.n_items)
+        page = cooccurrence_matrix(
+            encoded, self.n_items, self.window, self.distance_decay, self.backward_weight
+        )
+        self.total = page if self.pages == 0 else self.total + page
+        self.pages += 1
+        if self.max_entries is not None and self.total.nnz > self.max_entries:
+            scale = 1.0 / np.sqrt(np.maximum(self.counts, 1).astype(np.float64))
+            self.total = _prune_rows(self.total, self.prune_to, scale)
+            self.prunes += 1
+
+    def matrix(self) -> sparse.csr_matrix:
+        """The summed co-occurrence (float64 CSR, no diagonal, no explicit zeros)."""
+        self.total.eliminate_zeros()
+        return self.total
+
+
 class ItemCFBranch(RecallBranch):
     """Windowed co-occurrence item-CF; a user's last ``last_m`` items vote for their neighbors."""
 
@@ -321,26 +423,40 @@ class ItemCFBranch(RecallBranch):
             raise ValueError("window, last_m and top_neighbors must be >= 1")
         vocabulary = _vocabulary(sequences, item_ids)
         index = {item: i for i, item in enumerate(vocabulary)}
-        encoded = [[index[i] for i in seq if i in index] for seq in sequences.values()]
-        counts = np.bincount(
-            np.concatenate(
-                [np.asarray(s, dtype=np.int64) for s in encoded] or [np.zeros(0, np.int64)]
-            ),
-            minlength=len(vocabulary),
-        )
-        co = cooccurrence_matrix(encoded, len(vocabulary), window, distance_decay, backward_weight)
-        inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1).astype(np.float64))
+        cooccurrence = CooccurrenceSum(len(vocabulary), window, distance_decay, backward_weight)
+        cooccurrence.add([[index[i] for i in seq if i in index] for seq in sequences.values()])
+        return cls.from_cooccurrence(
+            vocabulary, cooccurrence, last_m=last_m, recency_decay=recency_decay,
+            top_neighbors=top_neighbors,
+        )  # fmt: skip
+
+    @classmethod
+    def from_cooccurrence(
+        cls,
+        item_ids: Sequence[str],
+        cooccurrence: CooccurrenceSum,
+        *,
+        last_m: int = 10,
+        recency_decay: float = 0.7,
+        top_neighbors: int = 200,
+    ) -> ItemCFBranch:
+        """The branch of a co-occurrence summed over pages (rows aligned with ``item_ids``):
+        cosine-normalized, each row cut to its ``top_neighbors`` best."""
+        if last_m < 1 or top_neighbors < 1:
+            raise ValueError("last_m and top_neighbors must be >= 1")
+        inv_norm = 1.0 / np.sqrt(np.maximum(cooccurrence.counts, 1).astype(np.float64))
+        co = cooccurrence.matrix()
         similarity = sparse.diags(inv_norm) @ co @ sparse.diags(inv_norm)
         similarity = _keep_top_per_row(similarity, top_neighbors)
         params = {
-            "window": window,
-            "distance_decay": distance_decay,
-            "backward_weight": backward_weight,
+            "window": cooccurrence.window,
+            "distance_decay": cooccurrence.distance_decay,
+            "backward_weight": cooccurrence.backward_weight,
             "last_m": last_m,
             "recency_decay": recency_decay,
             "top_neighbors": top_neighbors,
         }
-        return cls(vocabulary, params, similarity)
+        return cls(item_ids, params, similarity)
 
     def user_weights(self, histories: Sequence[Sequence[str]]) -> sparse.csr_matrix:
         """(users x items): recency_decay ** (steps back) on each user's last ``last_m`` items."""
@@ -403,23 +519,31 @@ def cooccurrence_embeddings(
     seen get a zero row (ANN then never recalls them).
     """
     index = {item: i for i, item in enumerate(item_ids)}
-    encoded = [[index[i] for i in seq if i in index] for seq in sequences.values()]
-    co = cooccurrence_matrix(encoded, len(item_ids), window).astype(np.float64)
+    cooccurrence = CooccurrenceSum(len(item_ids), window)
+    cooccurrence.add([[index[i] for i in seq if i in index] for seq in sequences.values()])
+    return embeddings_of_cooccurrence(cooccurrence.matrix(), dim, dense_max_items)
+
+
+def embeddings_of_cooccurrence(
+    cooccurrence: sparse.csr_matrix, dim: int = 128, dense_max_items: int = 4000
+) -> np.ndarray:
+    """``cooccurrence_embeddings`` of an already summed co-occurrence (items x items)."""
+    n = cooccurrence.shape[0]
+    co = cooccurrence.astype(np.float64)
     co = (co + co.T) / 2  # symmetric whatever the backward weight
     counts = np.asarray(co.sum(axis=1)).ravel()
     inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1e-12))
     normalized = sparse.diags(inv_norm) @ co @ sparse.diags(inv_norm)
-    dim = max(1, min(dim, len(item_ids) - 2))
-    if len(item_ids) <= dense_max_items:
+    dim = max(1, min(dim, n - 2))
+    if n <= dense_max_items:
         from scipy.linalg import eigh
 
-        n = len(item_ids)
         values, vectors = eigh(normalized.toarray(), subset_by_index=[n - dim, n - 1])
     else:
         from scipy.sparse.linalg import eigsh
 
         # deterministic start vector, so the same data gives the same embeddings
-        v0 = np.ones(len(item_ids)) / math.sqrt(len(item_ids))
+        v0 = np.ones(n) / math.sqrt(n)
         values, vectors = eigsh(normalized, k=dim, which="LA", v0=v0)
     embeddings = vectors * np.sqrt(np.maximum(values, 0.0))
     embeddings[counts == 0] = 0.0

@@ -5,13 +5,16 @@ import numpy as np
 import pytest
 
 from genrec.infra.settings import Settings
+from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.offline.evaluation import ProtocolData, branch_ranker, evaluate_rankings
-from genrec.offline.recall import fit_store_branches, save_branches
+from genrec.offline.recall import fit_branches, fit_store_branches, save_branches
 from genrec.online.branches import (
     AnnBranch,
+    CooccurrenceSum,
     ItemCFBranch,
     PopularityBranch,
     cooccurrence_embeddings,
+    cooccurrence_matrix,
     load_branch,
 )
 
@@ -162,3 +165,65 @@ def test_every_branch_returns_seen_items_unless_excluded():
         [batch_excluded] = branch.recommend_batch([history], 5, [set(history)])
         assert excluded and not excluded & set(history), name
         assert {i for i, _ in batch_excluded} == excluded, name
+
+
+def _fit_arrays(settings, engine) -> dict[str, np.ndarray]:
+    branches = fit_store_branches(settings, engine)
+    similarity = branches["itemcf"].similarity
+    ann = branches["ann"].embeddings
+    return {
+        "popularity": branches["popularity"].scores,
+        "similarity": similarity.toarray(),
+        "pattern": (similarity != 0).toarray(),
+        "ann_gram": ann @ ann.T,  # eigenvector signs may flip; their products may not
+    }
+
+
+def test_store_fit_in_pages_equals_one_page(ml100k_sample_store, tmp_path):
+    """Fitting the store 7 users a page sums to the one-page fit (60 users), which is
+    the in-memory ``fit_branches`` of the same histories bit for bit."""
+    one_page = Settings(home=tmp_path)
+    paged = Settings(home=tmp_path, recall={"fit_users_per_read": 7})
+    whole = _fit_arrays(one_page, ml100k_sample_store)
+    pages = _fit_arrays(paged, ml100k_sample_store)
+    np.testing.assert_allclose(pages["popularity"], whole["popularity"], rtol=1e-12)
+    np.testing.assert_allclose(pages["similarity"], whole["similarity"], rtol=1e-6)
+    assert (pages["pattern"] == whole["pattern"]).all()
+    np.testing.assert_allclose(pages["ann_gram"], whole["ann_gram"], atol=1e-4)
+
+    histories = load_user_histories(ml100k_sample_store)
+    sequences = {user: [e.item_id for e in events] for user, events in histories.items()}
+    stamps = {user: [e.ts_ms for e in events] for user, events in histories.items()}
+    item_ids = load_item_ids(ml100k_sample_store)
+    memory = fit_branches(sequences, item_ids, one_page.recall, stamps)
+    assert np.array_equal(memory["popularity"].scores, whole["popularity"])
+    assert np.array_equal(memory["itemcf"].similarity.toarray(), whole["similarity"])
+
+
+def test_cooccurrence_sum_bound_prunes_rows():
+    """Above ``max_entries`` every row keeps its ``prune_to`` best pairs; without a bound
+    the paged sum is the one-shot matrix."""
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 50, size=30).tolist() for _ in range(40)]
+    exact, bounded = (
+        CooccurrenceSum(50, window=5),
+        CooccurrenceSum(50, window=5, max_entries=300, prune_to=4),
+    )
+    for start in range(0, 40, 8):
+        exact.add(sequences[start : start + 8])
+        bounded.add(sequences[start : start + 8])
+    one_shot = cooccurrence_matrix(sequences, 50, window=5)
+    np.testing.assert_allclose(exact.matrix().toarray(), one_shot.toarray(), rtol=1e-12)
+    assert exact.prunes == 0 and bounded.prunes > 0
+    assert bounded.matrix().nnz < one_shot.nnz
+    assert (bounded.counts == exact.counts).all()
+
+    single = CooccurrenceSum(50, window=5, max_entries=10, prune_to=4)
+    single.add(sequences)
+    assert (np.diff(single.matrix().indptr) <= 4).all()
+    scale = 1 / np.sqrt(np.maximum(single.counts, 1))
+    dense = one_shot.toarray()
+    for row in range(50):
+        columns = np.flatnonzero(dense[row])
+        best = columns[np.lexsort((columns, -dense[row, columns] * scale[columns]))][:4]
+        assert set(single.matrix()[row].indices) == set(best), row
