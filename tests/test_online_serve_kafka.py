@@ -759,8 +759,9 @@ def test_cluster_broker_kill_9_exactly_once_answers_every_event_once(
             f"--- worker{n}:\n" + "\n".join(
                 line[:600] for line in (tmp_path / f"worker{n}.log").read_text().splitlines()
                 if any(k in line for k in ("Setting offset", "committed transaction", "partitions",
-                                           "transaction failed", "aborted", "retried",
-                                           "Transition from", "transactional response"))
+                                           "transactional producer", "aborted", "retried",
+                                           "Transition from", "transactional response",
+                                           "skipping", "not published"))
             )
             for n in range(2)
         )  # fmt: skip

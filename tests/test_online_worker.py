@@ -683,6 +683,14 @@ class FakeTransactionalProducer(FakeProducer):
         def wakeup():
             pass
 
+        @staticmethod
+        def force_close():
+            pass
+
+        @staticmethod
+        def join(timeout=None):
+            pass
+
     def begin_transaction(self):
         self.log.append("begin")
         self.pending, self.pending_offsets = [], {}

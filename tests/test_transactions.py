@@ -4,9 +4,12 @@ transactional request carries, and what the group's committed offsets become."""
 
 from __future__ import annotations
 
+import contextlib
+import uuid
 from types import SimpleNamespace
 
 import pytest
+from kafka import KafkaConsumer, KafkaProducer
 from kafka.producer.transaction_manager import (
     AddOffsetsToTxnHandler,
     EndTxnHandler,
@@ -14,9 +17,11 @@ from kafka.producer.transaction_manager import (
     TransactionManager,
     TxnOffsetCommitHandler,
 )
-from kafka.structs import ConsumerGroupMetadata, TopicPartition
+from kafka.structs import ConsumerGroupMetadata, OffsetAndMetadata, TopicPartition
 
+from genrec.infra.kafka_clients import open_client
 from genrec.online.transactions import TransactionAborted, TransactionalPublisher
+from tests.helpers import fresh_kafka, wait_for
 
 TOPIC = "genrec.user-events"
 P1, P2 = TopicPartition(TOPIC, 1), TopicPartition(TOPIC, 2)
@@ -88,8 +93,15 @@ class ManagedProducer:
         self._transaction_manager = TransactionManager(
             transactional_id="genrec-online.w1", transaction_timeout_ms=60000
         )
-        self._sender = SimpleNamespace(wakeup=lambda: broker.answer(self._transaction_manager))
-        self.closed = False
+        self._sender = SimpleNamespace(
+            wakeup=lambda: broker.answer(self._transaction_manager),
+            force_close=self._stop_sender,
+            join=lambda timeout=None: None,
+        )
+        self.closed = self.sender_stopped = False
+
+    def _stop_sender(self) -> None:  # its queued requests are dropped, never sent
+        self.sender_stopped = True
 
     def init_transactions(self) -> None:
         result = self._transaction_manager.initialize_transactions()
@@ -130,7 +142,8 @@ def test_a_refused_offset_commit_never_surfaces_in_a_later_transaction() -> None
     publisher.publish(TOPIC, [], {P2: 20}, GROUP)  # P1 is another worker's now
     assert broker.offset_commits == [{P1: 8, P2: 20}, {P2: 20}]
     assert broker.committed == {P1: 36, P2: 20}
-    assert len(made) == 2 and made[0].closed and publisher.producer is made[1]
+    assert len(made) == 2 and made[0].sender_stopped and made[0].closed
+    assert publisher.producer is made[1] and not made[1].closed
     assert broker.end_txns == [True]  # the new producer's init aborted the first one
     assert publisher.aborted == 1 and publisher.transactions == 1
 
@@ -144,3 +157,49 @@ def test_a_committed_transaction_leaves_no_offsets_behind() -> None:
     assert broker.offset_commits == [{P1: 8}, {P2: 3}] and len(made) == 1
     assert publisher.committed == {P1: 8, P2: 3}
     assert not made[0]._transaction_manager._test_has_pending_offset_commits()
+
+
+def test_on_the_broker_a_refused_offset_commit_does_not_set_a_partition_back(
+    kafka_broker,
+) -> None:
+    """The same on the real broker: a transaction whose TxnOffsetCommit carries a stale
+    group generation is refused and aborted; the next transaction (P2 only) must leave
+    P1 where its new owner committed it (36), not at the refused transaction's 8."""
+    kafka = fresh_kafka(kafka_broker)
+    group = f"genrec-txn-test-{uuid.uuid4().hex[:6]}"
+    p1, p2 = (TopicPartition(kafka.topic_events, n) for n in (1, 2))
+    member = open_client(
+        KafkaConsumer, kafka, group_id=group, enable_auto_commit=False,
+        isolation_level="read_committed", session_timeout_ms=6000, heartbeat_interval_ms=500,
+    )  # fmt: skip
+    publisher = None
+    try:
+        member.subscribe([kafka.topic_events])
+        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 60,
+                 "the group member's assignment")  # fmt: skip
+        member.commit({p1: OffsetAndMetadata(36, "", -1)})  # P1's other owner moved on
+        current = member.group_metadata()
+        stale = current._replace(generation_id=current.generation_id + 1)  # a namedtuple
+        publisher = TransactionalPublisher(
+            lambda: open_client(
+                KafkaProducer,
+                kafka,
+                transactional_id=f"{group}.w1",
+                acks="all",
+                enable_idempotence=True,
+                linger_ms=0,
+            ),  # fmt: skip
+            timeout_s=30.0,
+        )
+        value = b'{"request_id": "x"}'
+        with pytest.raises(TransactionAborted, match="a new producer took over"):
+            publisher.publish(kafka.topic_recommendations, [(b"k", value)], {p1: 8, p2: 20},
+                              stale)  # fmt: skip
+        publisher.publish(kafka.topic_recommendations, [(b"k", value)], {p2: 21}, current)
+        assert member.committed(p1) == 36
+        assert member.committed(p2) == 21
+    finally:
+        if publisher is not None:
+            publisher.close()
+        with contextlib.suppress(Exception):
+            member.close()
