@@ -306,6 +306,11 @@ class SemanticIdSettings(BaseModel):
     learning_rate: float = 1e-3
     commitment_weight: float = 0.25
     kmeans_iters: int = 25
+    # RQ-VAE budgets (None: none): optimizer steps in all (epochs x batches is cut there;
+    # ML-100K's 150 x 7 = 1,050 are far below), and items k-means initializes on (a
+    # seeded sample). Every item is still assigned an ID. docs/semantic-ids.md#how-it-grows
+    max_train_steps: int | None = Field(default=20_000, ge=1)
+    kmeans_sample_items: int | None = Field(default=100_000, ge=256)
     seed: int = 0
     index_exact_max_items: int = 50_000  # above: IVF (GPU FAISS when present)
     index_nprobe: int = 16

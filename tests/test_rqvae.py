@@ -61,6 +61,31 @@ def test_training_is_deterministic_and_uses_codebooks():
     assert not torch.equal(different.codebooks, model_a.codebooks)
 
 
+def test_budgets_that_do_not_bite_change_nothing_and_ones_that_do_cap_the_work():
+    """A step budget above epochs x batches (ML-100K: 150 x 7 under 20,000) and a k-means
+    sample above the item count train the very same model; a lower budget stops at its
+    step count (mid-epoch) and k-means runs on the sample, and every item still gets codes."""
+    x = clustered()  # 600 items, batch 64: 10 batches per epoch
+    base = RQVAEConfig(
+        input_dim=16, latent_dim=8, hidden_dims=(32,), codes_per_level=16, epochs=6,
+        batch_size=64,
+    )  # fmt: skip
+    plain, plain_stats = train_rqvae(x, base, progress=False)
+    loose = RQVAEConfig(**{**base.to_dict(), "max_train_steps": 60, "kmeans_sample": 600})
+    same, same_stats = train_rqvae(x, loose, progress=False)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, same.state_dict()[key]), key
+    assert plain_stats.steps == same_stats.steps == 60 and same_stats.epochs == 6
+    assert plain_stats.kmeans_items == same_stats.kmeans_items == 600
+
+    tight = RQVAEConfig(**{**base.to_dict(), "max_train_steps": 25, "kmeans_sample": 300})
+    model, stats = train_rqvae(x, tight, progress=False)
+    assert (stats.steps, stats.epochs, stats.kmeans_items) == (25, 3, 300)
+    assert len(stats.loss_history) == 3 and all(np.isfinite(stats.loss_history))
+    codes = model.codes(torch.from_numpy(x)).numpy()
+    assert codes.shape == (600, 3) and len(np.unique(codes[:, 0])) >= 8
+
+
 def test_dead_codes_move_onto_residuals():
     model = RQVAE(
         RQVAEConfig(input_dim=4, latent_dim=2, hidden_dims=(), levels=2, codes_per_level=4)

@@ -276,8 +276,10 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
             (config.codes_per_level,) * config.levels + (config.dedup_codes,)
         )
         dead_resets = training.dead_code_resets
+        trained = {"steps": training.steps, "epochs": training.epochs}
+        trained.update(kmeans_items=training.kmeans_items, budget=config.max_train_steps)
     else:
-        model, layout, dead_resets = load_rqvae(old_dir), old.layout, None
+        model, layout, dead_resets, trained = load_rqvae(old_dir), old.layout, None, None
     timings["train_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -291,6 +293,7 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
     metrics.update(
         moved_to_free_slot=moved,
         dead_code_resets=dead_resets,
+        rqvae_training=trained,
         cooccurrence_weight=mix.weight if mix is not None else 0.0,
     )
     stability = (
@@ -354,6 +357,8 @@ def _rqvae_config(config, input_dim: int) -> RQVAEConfig:
         learning_rate=config.learning_rate,
         kmeans_iters=config.kmeans_iters,
         seed=config.seed,
+        max_train_steps=config.max_train_steps,
+        kmeans_sample=config.kmeans_sample_items,
     )
 
 

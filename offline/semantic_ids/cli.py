@@ -67,6 +67,7 @@ def build_summary(report) -> dict:
         "prefix_similarity": metrics["prefix_similarity"],
         "embedding_sources": metrics["embedding_sources"],
         "moved_to_free_slot": metrics["moved_to_free_slot"],
+        "rqvae_training": metrics.get("rqvae_training"),  # steps, epochs, k-means items
         "stability": report.stability,
         "timings": report.timings,
         "artifact_dir": report.artifact_dir,

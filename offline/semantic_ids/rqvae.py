@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from genrec.infra.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,10 @@ class RQVAEConfig:
     learning_rate: float = 1e-3
     kmeans_iters: int = 25
     seed: int = 0
+    # Budgets (None: none): optimizer steps in all (the last epoch may stop early), and
+    # the items k-means initializes the codebooks on (a seeded sample of the rows).
+    max_train_steps: int | None = None
+    kmeans_sample: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,6 +77,9 @@ class TrainingStats:
     loss_history: list[float] = field(default_factory=list)
     dead_code_resets: list[int] = field(default_factory=list)  # per level, summed over epochs
     seconds: float = 0.0
+    steps: int = 0  # optimizer steps taken
+    epochs: int = 0  # epochs begun (the last one cut short when the step budget ran out)
+    kmeans_items: int = 0  # rows the codebooks were initialized on
 
 
 def mlp(sizes: list[int]) -> nn.Sequential:
@@ -150,8 +160,16 @@ def kmeans(points: torch.Tensor, k: int, iters: int, generator: torch.Generator)
 
 
 @torch.no_grad()
-def init_codebooks(model: RQVAE, x: torch.Tensor, generator: torch.Generator) -> None:
-    """k-means on level l's residuals gives codebook l (levels initialized in order)."""
+def init_codebooks(model: RQVAE, x: torch.Tensor, generator: torch.Generator) -> int:
+    """k-means on level l's residuals gives codebook l (levels initialized in order).
+
+    With ``kmeans_sample`` and more rows than that, on a seeded sample of that many rows
+    (k-means costs O(rows x codes x iterations) per level). Returns the rows used.
+    """
+    sample = model.config.kmeans_sample
+    if sample is not None and len(x) > sample:
+        rows = torch.randperm(len(x), generator=generator)[:sample].sort().values
+        x = x[rows.to(x.device)]
     residual = model.encoder(x)
     for level in range(model.config.levels):
         centroids = kmeans(
@@ -159,6 +177,7 @@ def init_codebooks(model: RQVAE, x: torch.Tensor, generator: torch.Generator) ->
         )
         model.codebooks[level] = centroids
         residual = residual - centroids[torch.cdist(residual, centroids).argmin(dim=1)]
+    return len(x)
 
 
 @torch.no_grad()
@@ -187,36 +206,75 @@ def train_rqvae(
     generator = torch.Generator().manual_seed(config.seed)
     model = RQVAE(config).to(device)
     x = torch.from_numpy(np.ascontiguousarray(embeddings, dtype=np.float32)).to(device)
-    init_codebooks(model, x, generator)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     stats = TrainingStats(dead_code_resets=[0] * config.levels)
+    stats.kmeans_items = init_codebooks(model, x, generator)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate)
     batches_per_epoch = math.ceil(len(x) / config.batch_size)
-    bar = progress_bar(
-        range(config.epochs), desc="train RQ-VAE", unit="epoch", disable=not progress
-    )
+    epochs = config.epochs
+    if config.max_train_steps is not None:
+        # ``chunk`` may make fewer, equal batches than asked: count what an epoch runs
+        chunk = math.ceil(len(x) / batches_per_epoch)
+        steps_per_epoch = math.ceil(len(x) / chunk)
+        epochs = min(epochs, math.ceil(config.max_train_steps / steps_per_epoch))
+    bar = progress_bar(range(epochs), desc="train RQ-VAE", unit="epoch", disable=not progress)
     for _ in bar:
-        order = torch.randperm(len(x), generator=generator).to(device)
-        usage = torch.zeros(config.levels, config.codes_per_level, device=device)
-        epoch_loss = 0.0
-        residuals: list[list[torch.Tensor]] = [[] for _ in range(config.levels)]
-        for batch in order.chunk(batches_per_epoch):
-            _, codes, level_residuals, recon_loss, quant_loss = model(x[batch])
-            loss = recon_loss + quant_loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            epoch_loss += float(loss.detach()) * len(batch) / len(x)
-            for level in range(config.levels):
-                usage[level] += torch.bincount(codes[:, level], minlength=config.codes_per_level)
-                residuals[level].append(level_residuals[level].detach())
-        resets = reset_dead_codes(model, usage, [torch.cat(r) for r in residuals], generator)
-        stats.dead_code_resets = [
-            a + b for a, b in zip(stats.dead_code_resets, resets, strict=True)
-        ]
+        steps_left = (
+            None if config.max_train_steps is None else config.max_train_steps - stats.steps
+        )
+        epoch_loss = _train_epoch(
+            model, optimizer, x, batches_per_epoch, steps_left, stats, generator
+        )
         stats.loss_history.append(epoch_loss)
-        bar.set_postfix(loss=f"{epoch_loss:.5f}", dead=sum(resets))
+        bar.set_postfix(loss=f"{epoch_loss:.5f}", steps=stats.steps)
+    logger.info(
+        "RQ-VAE: %d steps in %d epochs of %d batches (budget %s), k-means on %d of %d items",
+        stats.steps, stats.epochs, batches_per_epoch, config.max_train_steps,
+        stats.kmeans_items, len(x),
+    )  # fmt: skip
     model.eval()
     return model, stats
+
+
+def _train_epoch(
+    model: RQVAE,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    batches_per_epoch: int,
+    steps_left: int | None,
+    stats: TrainingStats,
+    generator: torch.Generator,
+) -> float:
+    """One epoch (at most ``steps_left`` batches), then the dead-code reset; its mean loss.
+
+    An epoch cut short by the step budget skips the reset: its usage counts only part of
+    the items, and the codebooks go straight to assignment.
+    """
+    config = model.config
+    order = torch.randperm(len(x), generator=generator).to(x.device)
+    usage = torch.zeros(config.levels, config.codes_per_level, device=x.device)
+    epoch_loss = 0.0
+    residuals: list[list[torch.Tensor]] = [[] for _ in range(config.levels)]
+    batches = order.chunk(batches_per_epoch)
+    truncated = steps_left is not None and steps_left < len(batches)
+    if truncated:
+        batches = batches[:steps_left]
+    for batch in batches:
+        _, codes, level_residuals, recon_loss, quant_loss = model(x[batch])
+        loss = recon_loss + quant_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        epoch_loss += float(loss.detach()) * len(batch) / len(x)
+        for level in range(config.levels):
+            usage[level] += torch.bincount(codes[:, level], minlength=config.codes_per_level)
+            residuals[level].append(level_residuals[level].detach())
+    stats.steps += len(batches)
+    stats.epochs += 1
+    if truncated:  # the mean over the items this part of the epoch saw
+        return epoch_loss * len(x) / max(1, sum(len(batch) for batch in batches))
+    resets = reset_dead_codes(model, usage, [torch.cat(r) for r in residuals], generator)
+    stats.dead_code_resets = [a + b for a, b in zip(stats.dead_code_resets, resets, strict=True)]
+    return epoch_loss
 
 
 class DedupOverflowError(RuntimeError):
