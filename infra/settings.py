@@ -261,6 +261,10 @@ class TrainSettings(BaseModel):
     # cluster every node must reach it (the shared artifact volume). Default:
     # data_dir / "ray-train". Each run's folder is removed once its models are loaded.
     storage_dir: Path | None = None
+    # Train (and fit the semantic-ID co-occurrence mix) on the store's newest max_events
+    # events only, so training time and memory stop growing with the store; None: all.
+    # The default is 20x ML-100K's 100k events (ML-100K trains on all of them).
+    max_events: int | None = Field(default=2_000_000, ge=1)
 
 
 class KafkaBrokerSettings(BaseModel):

@@ -3,8 +3,8 @@
 The one reader of stored histories, with one event type (``HistoryEvent``), for every
 step that needs them:
 
-- ``load_user_histories``: every user, optionally up to a time (splits, evaluation,
-  recall fitting);
+- ``load_user_histories``: every user, optionally up to a time and within the newest N
+  stored events (splits, evaluation, training on a bounded window);
 - ``history_pages``: a page of users at a time up to an ``events.id`` cutoff and/or a time,
   optionally only recently active users (the refresh's prefix-KV precompute, fitting the
   recall branches; memory stays bounded); ``newest_event_ts``: the newest event's time;
@@ -54,11 +54,29 @@ class HistoryEvent:
 
 
 def load_user_histories(
-    engine: Engine, *, until_ts_ms: int | None = None
+    engine: Engine, *, until_ts_ms: int | None = None, newest_events: int | None = None
 ) -> dict[str, list[HistoryEvent]]:
-    """Every user's events in time order (stable), optionally only those up to ``until_ts_ms``."""
+    """Every user's events in time order (stable), optionally only those up to ``until_ts_ms``
+    and only among the store's newest ``newest_events`` rows (highest ``events.id``: the
+    order ingest stored them), a window that keeps the read bounded however large the
+    store grows."""
     conditions = [] if until_ts_ms is None else [events.c.ts_ms <= until_ts_ms]
+    if newest_events is not None:
+        first = first_of_newest_rows(engine, newest_events)
+        if first is not None:
+            conditions.append(events.c.id >= first)
     return _grouped(engine, _history_query(*conditions))
+
+
+def first_of_newest_rows(engine: Engine, count: int) -> int | None:
+    """The lowest ``events.id`` among the newest ``count`` rows; None when the store holds
+    fewer (every row is in). One walk of ``count`` entries of the primary key."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    query = select(events.c.id).order_by(events.c.id.desc()).offset(count - 1).limit(1)
+    with engine.connect() as connection:
+        first = connection.execute(query).scalar()
+    return None if first is None else int(first)
 
 
 def load_histories_of(

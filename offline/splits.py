@@ -81,9 +81,11 @@ def leave_one_out(
     return Split(train, valid, test, kept_times)
 
 
-def load_split(engine: Engine) -> Split:
-    """The leave-one-out split of every user in the behavior store."""
-    histories = load_user_histories(engine)
+def load_split(engine: Engine, *, max_events: int | None = None) -> Split:
+    """The leave-one-out split of every user in the behavior store; with ``max_events``,
+    of the store's newest ``max_events`` events only (``train.max_events``): each user's
+    history is what they did in that window."""
+    histories = load_user_histories(engine, newest_events=max_events)
     return leave_one_out(
         {user: [e.item_id for e in events] for user, events in histories.items()},
         {user: [e.ts_ms for e in events] for user, events in histories.items()},

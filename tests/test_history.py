@@ -75,6 +75,21 @@ def test_histories_up_to_a_time(engine) -> None:
     assert load_item_ids(engine) == ["5", "7", "8"]  # items of every event, whatever the time
 
 
+def test_histories_within_the_newest_events(engine) -> None:
+    """``newest_events`` keeps the store's newest rows (by events.id), whatever their time;
+    a window at least the store's size keeps everything, and pages cut by time match."""
+    add_events(engine, [("a1", "u1", "7", 1000), ("b1", "u2", "5", 900), ("a2", "u1", "8", 2000),
+                        ("c1", "u3", "6", 800)])  # fmt: skip
+    window = load_user_histories(engine, newest_events=2)
+    assert {u: [e.item_id for e in h] for u, h in window.items()} == {"u1": ["8"], "u3": ["6"]}
+    assert load_user_histories(engine, newest_events=4) == load_user_histories(engine)
+    assert load_user_histories(engine, newest_events=10**6) == load_user_histories(engine)
+    with pytest.raises(ValueError):
+        load_user_histories(engine, newest_events=0)
+    pages = list(history_pages(engine, until_ts_ms=900, users_per_page=1))
+    assert pages == [{"u2": load_user_histories(engine)["u2"]}, {"u3": window["u3"]}]
+
+
 def test_a_set_of_users_keeps_only_their_newest_events(engine) -> None:
     add_events(engine, [(f"a{n}", "u1", str(n), n * 1000) for n in range(9)])
     add_events(engine, [("b1", "u2", "5", 500), ("c1", "u3", "6", 600)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from genrec.offline.splits import load_split
 from genrec.offline.training.run import train_models
@@ -23,7 +23,7 @@ from genrec.online.models.store import (
     save_model_version,
 )
 from genrec.online.prompts import ItemTokens
-from genrec.schemas.tables import model_versions
+from genrec.schemas.tables import events, model_versions
 from tests.helpers import tiny_settings
 
 
@@ -38,6 +38,15 @@ def test_tiny_preset_trains_end_to_end(ml100k_sample_store, synthetic_semantic_i
     assert 0.0 <= metrics["target_test_hr@10"] <= 1.0
     with ml100k_sample_store.connect() as connection:
         row = connection.execute(select(model_versions)).one()
+        stored = connection.execute(select(func.count()).select_from(events)).scalar_one()
+    # the default window (train.max_events) holds the whole sample; a smaller one cuts it
+    assert metrics["train_events"] == stored and metrics["train_max_events"] >= stored
+    window = load_split(ml100k_sample_store, max_events=1000)
+    assert (
+        sum(len(c.history) + 1 for c in window.test.values())
+        + sum(len(items) for user, items in window.train.items() if user not in window.test)
+        == 1000
+    )
     assert row.status == "active" and row.semantic_id_version == "7" and row.activated_at
     folder = settings.data_dir / "artifacts" / "models" / "v1"
     for part in (

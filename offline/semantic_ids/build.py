@@ -259,7 +259,7 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
             embeddings.vectors = _refresh_mixed_vectors(old_dir, embeddings, mix)
     else:
         embeddings = compute_item_embeddings(settings, engine, item_ids, progress=progress)
-        mix = _mix_full_build(config, engine, embeddings)
+        mix = _mix_full_build(config, engine, embeddings, settings.train.max_events)
     timings["embed_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
@@ -318,14 +318,18 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
     )
 
 
-def _mix_full_build(config, engine: Engine, embeddings: ItemEmbeddings) -> CooccurrenceMix | None:
-    """Mix co-occurrence into a full build's vectors (in place); the map, or None when off."""
+def _mix_full_build(
+    config, engine: Engine, embeddings: ItemEmbeddings, max_events: int | None = None
+) -> CooccurrenceMix | None:
+    """Mix co-occurrence into a full build's vectors (in place); the map, or None when off.
+
+    Fitted on the target's training window (``train.max_events``: the newest events)."""
     if config.cooccurrence_weight <= 0:
         return None
     embeddings.vectors, mix = mix_cooccurrence(
         embeddings.item_ids,
         embeddings.vectors,
-        load_split(engine).before_test(),
+        load_split(engine, max_events=max_events).before_test(),
         weight=config.cooccurrence_weight,
         dim=config.cooccurrence_dim,
         window=config.cooccurrence_window,

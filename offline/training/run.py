@@ -85,13 +85,16 @@ def train_models(
     preset = get_preset(preset_name or config.preset).with_overrides(**chosen)
     if semantic_ids is None:
         semantic_ids = load_active_semantic_ids(engine, settings)
-    split = load_split(engine)
+    split = load_split(engine, max_events=settings.train.max_events)
     item_tokens, tokenizer, base_model = _tokens_and_tokenizer(preset, semantic_ids)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="genrec-train-") as scratch:
         bundle_parts = _train_all(settings, engine, preset, split, item_tokens, base_model,
                                   train_target_model, Path(scratch), progress)  # fmt: skip
         metrics = {**bundle_parts["metrics"], "seconds_total": time.perf_counter() - started}
+        metrics.update(
+            train_events=_split_events(split), train_max_events=settings.train.max_events
+        )
         bundle = ModelBundle(
             target=bundle_parts["target"], drafts=bundle_parts["drafts"], tokenizer=tokenizer,
             item_tokens=item_tokens, preset=preset.name, history_items=config.history_items,
@@ -103,6 +106,12 @@ def train_models(
         version = save_model_version(settings, engine, bundle)
     log.info("model version %s: %s", version, metrics)
     return version, metrics
+
+
+def _split_events(split) -> int:
+    """Events of the split's users (training, validation and test items together)."""
+    return sum(len(split.test[u].history) + 1 if u in split.test else len(items)
+               for u, items in split.train.items())  # fmt: skip
 
 
 def _tokens_and_tokenizer(preset, semantic_ids):
