@@ -2,7 +2,8 @@
 
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
-``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``, ``bench refresh-executor``.
+``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``, ``bench refresh-executor``,
+``bench scale``.
 
 Example::
 
@@ -111,6 +112,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     _register_prefix_kv(bench)
     _register_prefix_kv_read(bench)
     _register_refresh_executor(bench)
+    _register_scale(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -482,4 +484,83 @@ def _bench_refresh_executor(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _register_scale(bench: argparse._SubParsersAction) -> None:
+    scale = bench.add_parser(
+        "scale", help="every pipeline stage at growing sizes, each in a fresh store",
+        description="For each USERS:ITEMS:EVENTS size: a fresh store, genrec synthetic, then "
+        "each stage as its own process (replay, ingest, semantic IDs, FAISS, trie, recall, "
+        "training, refresh with prefix KV and activation, one serving batch, eval); wall "
+        "time, CPU, peak RSS of every process, store bytes, the stage's own figures and the "
+        "growth exponent between sizes; JSON and a log-log PNG (docs/scale.md).",
+    )  # fmt: skip
+    scale.add_argument(
+        "--sizes", default=None,
+        help="comma-separated USERS:ITEMS:EVENTS with k/M suffixes "
+        "(default: 10k:10k:200k,100k:100k:2M,1M:1M:20M)",
+    )  # fmt: skip
+    scale.add_argument(
+        "--stages", default="",
+        help="comma-separated subset (the stages they need are added): synthetic, replay, "
+        "ingest, semantic-ids, faiss, trie, recall, train, refresh, serve, eval",
+    )  # fmt: skip
+    scale.add_argument("--no-text", action="store_true", help="items without text (SVD vectors)")
+    scale.add_argument("--preset", default=None, help="training preset (default: model.preset)")
+    scale.add_argument(
+        "--train-max-steps", type=int, default=None, help="cap target optimizer steps"
+    )
+    scale.add_argument(
+        "--eval-users", type=int, default=2000, help="genrec eval --max-users (0: every user)"
+    )
+    scale.add_argument("--serve-batch", type=int, default=32, help="users per serving batch")
+    scale.add_argument(
+        "--stage-timeout-s", type=float, default=3600.0, help="a stage running longer is stopped"
+    )
+    scale.add_argument(
+        "--kafka", choices=["local", "configured"], default="local",
+        help="local: a private broker started for the run on free ports; configured: "
+        "kafka.bootstrap (each size gets topics of its own)",
+    )  # fmt: skip
+    scale.add_argument(
+        "--keep-stores", action="store_true", help="keep each size's store and Parquet files"
+    )
+    scale.add_argument("--seed", type=int, default=0)
+    scale.add_argument("--out", type=Path, default=None, help="default: var/bench/scale")
+    scale.add_argument("--json", type=Path, default=None, help="default: OUT/scale.json")
+    scale.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
+    scale.set_defaults(handler=_bench_scale)
+
+
+def _bench_scale(args: argparse.Namespace) -> int:
+    from genrec.app.bench.scale import (
+        DEFAULT_SIZES,
+        ScaleConfig,
+        parse_sizes,
+        print_report,
+        run_scale_bench,
+        select_stages,
+        write_outputs,
+    )
+
+    settings = get_settings()
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    try:
+        sizes = tuple(parse_sizes(args.sizes or DEFAULT_SIZES))
+        select_stages(stages)
+    except ValueError as exc:
+        raise UserFacingError(f"bench scale: {exc}") from exc
+    config = ScaleConfig(
+        sizes=sizes, stages=stages, text=not args.no_text, preset=args.preset,
+        train_max_steps=args.train_max_steps, eval_users=args.eval_users or None,
+        serve_batch=args.serve_batch, stage_timeout_s=args.stage_timeout_s,
+        seed=args.seed, kafka=args.kafka, keep_stores=args.keep_stores,
+    )  # fmt: skip
+    out_dir = (args.out or settings.path("bench", "scale")).resolve()
+    report = run_scale_bench(settings, config, out_dir)
+    json_path = args.json or out_dir / "scale.json"
+    write_outputs(report, json_path, args.png or json_path.with_suffix(".png"))
+    print_report(report)
+    print(f"scale: wrote {json_path} and {args.png or json_path.with_suffix('.png')}")
     return 0

@@ -1,0 +1,184 @@
+"""``genrec bench scale``: size parsing, growth exponents, the report and its verdicts (with
+fake stage results), the measured child process (real subprocesses), and one run of the real
+commands at a tiny size against the shared broker."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from genrec.app.bench.scale import (
+    ScaleConfig,
+    Size,
+    StageResult,
+    build_report,
+    exponents,
+    format_count,
+    growth_exponent,
+    hr_at_10,
+    markdown_table,
+    n_log_n_exponent,
+    parse_count,
+    parse_sizes,
+    plot_report,
+    run_measured,
+    run_scale_bench,
+    select_stages,
+    verdicts,
+)
+from genrec.infra.settings import Settings
+
+MiB = 2**20
+
+
+def test_counts_and_sizes_parse_with_suffixes() -> None:
+    assert [parse_count(t) for t in ("500", "10k", "2M", "1.5k", " 3K ")] == [
+        500, 10_000, 2_000_000, 1_500, 3_000,
+    ]  # fmt: skip
+    for bad in ("", "k", "-5", "0", "1.5", "2G", "1e3"):
+        with pytest.raises(ValueError):
+            parse_count(bad)
+    sizes = parse_sizes("10k:10k:200k, 1M:1M:20M")
+    assert sizes == [Size(10_000, 10_000, 200_000), Size(1_000_000, 1_000_000, 20_000_000)]
+    assert [s.label for s in sizes] == ["10k:10k:200k", "1M:1M:20M"]
+    assert format_count(1_500) == "1500" and format_count(2_000_000) == "2M"
+    assert Size(1, 2, 3).of("items") == 2
+    for bad in ("10k:10k", "a:b:c", "", "1k:1k:1k,1k:1k:1k"):
+        with pytest.raises(ValueError):
+            parse_sizes(bad)
+
+
+def test_growth_exponent_is_the_log_log_slope() -> None:
+    assert growth_exponent(1.0, 10.0, 100, 1000) == pytest.approx(1.0)
+    assert growth_exponent(1.0, 100.0, 100, 1000) == pytest.approx(2.0)
+    assert growth_exponent(2.0, 2.0, 10, 1000) == pytest.approx(0.0)
+    assert growth_exponent(1.0, math.sqrt(10), 1, 10) == pytest.approx(0.5)
+    assert growth_exponent(0.0, 1.0, 1, 10) is None
+    assert growth_exponent(1.0, 2.0, 10, 10) is None
+    assert growth_exponent(None, 2.0, 1, 10) is None
+    # n log n from 10k to 1M: a bit above linear
+    bound = n_log_n_exponent(10_000, 1_000_000)
+    assert bound == pytest.approx(math.log(100 * math.log(1e6) / math.log(1e4)) / math.log(100))
+    assert 1.0 < bound < 1.1
+
+
+def test_stages_bring_what_they_need_in_pipeline_order() -> None:
+    names = [s.name for s in select_stages(["trie"])]
+    assert names == ["synthetic", "replay", "ingest", "semantic-ids", "trie"]
+    assert [s.name for s in select_stages(["serve"])][-3:] == ["train", "refresh", "serve"]
+    assert len(select_stages(None)) == len(select_stages([]))
+    with pytest.raises(ValueError, match="unknown stages"):
+        select_stages(["nope"])
+
+
+def _row(stage, size, n, seconds, rss_mib=100, status="ok", kind="events", **figures):
+    return StageResult(stage, size.label, kind, n, status, seconds=seconds, wall_s=seconds,
+                       peak_rss_bytes=int(rss_mib * MiB), disk_bytes=10 * MiB,
+                       figures=figures)  # fmt: skip
+
+
+def _fake_results(large_serve_ms: float = 6.0, collision: float = 0.01):
+    small, large = Size(1_000, 1_000, 10_000), Size(10_000, 10_000, 100_000)
+    rows = [
+        _row("ingest", small, 10_000, 2.0), _row("ingest", large, 100_000, 20.0, rss_mib=200),
+        # training 10x the events, 1000x the time: faster than n log n
+        _row("train", small, 10_000, 1.0), _row("train", large, 100_000, 1000.0, rss_mib=900),
+        _row("semantic-ids", small, 1_000, 5.0, kind="items", collision_rate_before_dedup=0.0),
+        _row("semantic-ids", large, 10_000, 40.0, kind="items",
+             collision_rate_before_dedup=collision, largest_collision_group=3),
+        _row("serve", small, 1_000, 0.2, kind="items", ms_per_request=5.0, ms_per_batch=160,
+             batch_users=32),
+        _row("serve", large, 10_000, 0.3, kind="items", ms_per_request=large_serve_ms,
+             ms_per_batch=190, batch_users=32),
+        _row("eval", small, 10_000, 3.0, hr10_itemcf=0.2),
+        StageResult("eval", large.label, "events", 100_000, "timeout", wall_s=50.0,
+                    peak_rss_bytes=300 * MiB, error="...", note="stopped after 50 s"),
+    ]  # fmt: skip
+    return [small, large], rows
+
+
+def test_report_exponents_and_verdicts_from_fake_results(tmp_path: Path) -> None:
+    sizes, rows = _fake_results()
+    found = {e["stage"]: e for e in exponents(rows, sizes)}
+    assert found["ingest"]["exponent"] == pytest.approx(1.0)
+    assert found["train"]["exponent"] == pytest.approx(3.0)
+    assert "eval" not in found  # timed out at the larger size: no exponent
+    assert found["ingest"]["rss_exponent"] == pytest.approx(math.log10(2), abs=1e-3)
+    held = {v["aim"].split(" ")[1]: v for v in verdicts(rows, sizes)}
+    assert held["largest"]["holds"] is False  # eval timed out there
+    assert held["stage's"]["holds"] is False and "train" in held["stage's"]["detail"]
+    assert held["serving"]["holds"] is True and "1.20x" in held["serving"]["detail"]
+    assert held["rate"]["holds"] is True
+    _sizes, worse = _fake_results(large_serve_ms=9.0, collision=0.08)
+    held = {v["aim"].split(" ")[1]: v for v in verdicts(worse, sizes)}
+    assert held["serving"]["holds"] is False and held["rate"]["holds"] is False
+
+    config = ScaleConfig(sizes=tuple(sizes))
+    report = build_report(config, select_stages(None), rows)
+    json.dumps(report)  # every figure is JSON
+    table = markdown_table(report)
+    assert "| train | 10k:10k:100k | 100,000 events | 1000.0 |" in table
+    assert "3.00 (1.10)" in table  # train's exponent beside n log n's (10k -> 100k)
+    assert "collisions 1.00%, largest group 3" in table
+    assert "timeout (stopped after 50 s)" in table
+    assert "HR@10 itemcf 0.200" in table
+    plot_report(report, tmp_path / "scale.png")
+    assert (tmp_path / "scale.png").stat().st_size > 10_000
+
+
+def test_hr_at_10_of_each_ranker_from_an_eval_report() -> None:
+    report = {"protocol": {"users": 9}, "paired": {"a - b": {"HR@10": {"diff": 0.1}}},
+              "results": {"popularity": {"HR@10": 0.07}, "itemcf": {"HR@10": 0.2, "HR@5": 0.1},
+                          "merged": {"users": 3}}}  # fmt: skip
+    assert hr_at_10(report) == {"hr10_popularity": 0.07, "hr10_itemcf": 0.2}
+    assert hr_at_10({}) == {}
+
+
+def test_run_measured_sees_the_peak_of_the_child_and_of_its_child(tmp_path: Path) -> None:
+    # the child holds 60 MiB; its own child holds 150 MiB for a second (sampled from /proc)
+    script = ("import subprocess, sys, time; a = bytearray(60 * 2**20); "
+              "subprocess.run([sys.executable, '-c', "
+              "'import time; b = bytearray(150 * 2**20); time.sleep(1.5)'])")  # fmt: skip
+    run = run_measured([sys.executable, "-c", script], {}, tmp_path / "a.log",
+                       timeout_s=60, desc="test")  # fmt: skip
+    assert run.returncode == 0 and run.wall_s > 1.0
+    assert len(run.processes) == 2
+    child, grandchild = sorted(run.processes.values())
+    assert child >= 60 * MiB and grandchild >= 150 * MiB
+    assert run.peak_rss_bytes == grandchild
+
+
+def test_run_measured_stops_a_stage_at_its_timeout(tmp_path: Path) -> None:
+    log = tmp_path / "b.log"
+    run = run_measured([sys.executable, "-c", "import time; print('working'); time.sleep(60)"],
+                       {"PYTHONUNBUFFERED": "1"}, log, timeout_s=1.0, desc="test")  # fmt: skip
+    assert run.returncode is None and run.wall_s < 30
+    assert "working" in log.read_text()
+    failed = run_measured([sys.executable, "-c", "raise SystemExit(3)"], {}, log,
+                          timeout_s=30, desc="test")  # fmt: skip
+    assert failed.returncode == 3
+
+
+@pytest.mark.slow
+def test_a_tiny_size_through_the_real_commands(kafka_broker, tmp_path: Path) -> None:
+    """300 users x 500 items x 5k events: synthetic, replay, ingest and the recall fit as
+    their own processes against the shared broker (topics of the run's own)."""
+    settings = Settings(home=tmp_path, data_dir=tmp_path / "var", database_url=None)
+    settings.kafka.bootstrap = kafka_broker.bootstrap
+    config = ScaleConfig(sizes=(Size(300, 500, 5_000),), stages=("recall",), text=False,
+                         kafka="configured", stage_timeout_s=300, ingest_idle_s=5)  # fmt: skip
+    report = run_scale_bench(settings, config, tmp_path / "out")
+    rows = {r["stage"]: r for r in report["rows"]}
+    assert list(rows) == ["synthetic", "replay", "ingest", "recall"]
+    for row in rows.values():
+        assert row["status"] == "ok", row["error"]
+        assert row["peak_rss_bytes"] > 20 * MiB and row["wall_s"] > 0
+    assert rows["replay"]["figures"]["produced"] == rows["ingest"]["figures"]["stored_events"]
+    assert rows["ingest"]["figures"]["stored_events"] > 4_000
+    assert rows["recall"]["disk_bytes"] > rows["synthetic"]["disk_bytes"]
+    assert not (tmp_path / "out" / "runs" / "300x500x5k" / "data").exists()  # not kept
+    assert (tmp_path / "out" / "runs" / "300x500x5k" / "logs" / "ingest.log").exists()
