@@ -113,7 +113,9 @@ FALLBACKS = Counter(
 PREFIX_KV_LOOKUPS = Counter(
     "genrec_prefix_kv_lookups_total",
     "Prefix KV lookups by where they were answered.",
-    ["result"],  # memory|store|miss|unavailable (the KV store unreachable: served from the prompt)
+    # memory|store|miss|unavailable (the KV store unreachable: served from the prompt);
+    # served: decoded from the KV of the user's previous prompt (online.served_prompts)
+    ["result"],
 )
 SERVING_VERSION = Gauge(
     "genrec_serving_version_info",

@@ -149,6 +149,12 @@ class OnlineSettings(BaseModel):
     kv_store: Literal["local", "redis"] = "local"
     prefix_kv_lru_size: int = Field(default=2048, ge=0)  # prefix KVs kept in memory
     prefix_kv_lru_mb: float = Field(default=2048.0, gt=0)  # ... and at most this much of them
+    # Keep the KV of each user's last decoded prompt: a next request whose prompt starts
+    # with it (the same history plus newer events) prefills only the newer tokens. Items
+    # are those of decoding the whole prompt (online.served_prompts).
+    reuse_prompt_kv: bool = True
+    prompt_kv_lru_size: int = Field(default=4096, ge=0)  # users whose prompt KV is kept
+    prompt_kv_lru_mb: float = Field(default=1024.0, gt=0)  # ... and at most this much of them
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     k: int = Field(default=10, ge=1)  # items per list (merged and per branch)
     # Beams of the generative search; its best k items are served. Default 2k: a search

@@ -58,6 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         probe=lambda: active_serving_key(engine),
         load=lambda key: load_serving_bundle(settings, engine, key),
         poll_s=settings.online.version_poll_s,
+        freeze_gc=True,
     ).start()
     worker = OnlineWorker(settings, Recommender(settings, engine), versions)
     dump_stacks_on_sigusr1()  # kill -USR1: every thread's stack to stderr

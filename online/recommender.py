@@ -57,6 +57,7 @@ from genrec.online.auto_mode import AutoMode
 from genrec.online.merge import merge_lists
 from genrec.online.prefix_kv_store import KVStoreUnavailable
 from genrec.online.prompts import history_prompt, history_tokens
+from genrec.online.served_prompts import ServedPrompts
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
 
@@ -104,6 +105,9 @@ class GenerativeBatch:
 
     items: list[list[tuple[int, float]]]
     stats: list[dict[str, Any]]  # per request: target_calls, acceptance_rate, mode ...
+    # per request the KV of the prompt it decoded (``PrefixKV``; None: not kept), for the
+    # user's next request (``online.served_prompts``)
+    prompt_kvs: list[Any] | None = None
 
 
 @dataclass
@@ -283,6 +287,11 @@ class Recommender:
         self.prefix_kvs = PrefixKVCache(
             self.settings.prefix_kv_lru_size, int(self.settings.prefix_kv_lru_mb * 2**20)
         )
+        self.served = None
+        if self.settings.reuse_prompt_kv:
+            self.served = ServedPrompts(
+                self.settings.prompt_kv_lru_size, int(self.settings.prompt_kv_lru_mb * 2**20)
+            )
         self._bundle_key: str | None = None
 
     def recommend(
@@ -307,6 +316,8 @@ class Recommender:
         """
         if bundle.key != self._bundle_key:  # a new version: cached prefixes belong to the old one
             self.prefix_kvs.clear()
+            if self.served is not None:
+                self.served.clear()
             self._bundle_key = bundle.key
         started = time.perf_counter()
         if histories is None:
@@ -413,6 +424,10 @@ class Recommender:
         metrics.STAGE_LATENCY.labels(stage="generative").observe(time.perf_counter() - started)
         if bundle.kv_version is not None:  # decoding may have cached the draft's prefix KVs
             self.prefix_kvs.recount(bundle.kv_version, [r.user_id for r in gen_requests])
+        if self.served is not None and batch.prompt_kvs is not None:
+            for request, prompt_kv in zip(gen_requests, batch.prompt_kvs, strict=True):
+                if prompt_kv is not None:
+                    self.served.put(request.user_id, prompt_kv)
         item_ids = decoder.item_tokens.item_ids
         lists = [
             [(item_ids[row], score) for row, score in items[: self.settings.k]]
@@ -438,7 +453,17 @@ class Recommender:
         full_prompt = history_prompt([e.item_id for e in history], item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
         entry, prefix_kv = cached or (None, None)
-        if prefix_kv is None:
+        if prefix_kv is not None:
+            cutoff = entry.cutoff_event_row
+            suffix = [e.item_id for e in history if e.row is None or e.row > cutoff]
+            gen.prefix_kv = prefix_kv
+            # The cached prompt was built by history_prompt at the refresh: the suffix is
+            # laid out by the same builder, so prefix + suffix is the prompt of the history.
+            gen.suffix_tokens = history_tokens(suffix, item_tokens, window)
+            stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
+        if self.served is not None and self._reuse_served_prompt(gen):
+            stats["prefix_source"] = "served"
+        elif prefix_kv is None:
             stats["path"] = "full_prompt"
             stats["prompt_tokens"] = len(full_prompt)
             reason = "kv_store_unavailable" if store_down else "no_prefix_kv"
@@ -446,16 +471,25 @@ class Recommender:
                 stats["fallback"] = reason
             metrics.FALLBACKS.labels(reason=reason).inc()
             return gen
-        cutoff = entry.cutoff_event_row
-        suffix = [e.item_id for e in history if e.row is None or e.row > cutoff]
-        gen.prefix_kv = prefix_kv
-        # The cached prompt was built by history_prompt at the refresh: the suffix is
-        # laid out by the same builder, so prefix + suffix is the prompt of the history.
-        gen.suffix_tokens = history_tokens(suffix, item_tokens, window)
         stats["path"] = "prefix_kv"
         stats["suffix_tokens"] = len(gen.suffix_tokens)
-        stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
         return gen
+
+    def _reuse_served_prompt(self, gen: GenerativeRequest) -> bool:
+        """Decode from the KV of the user's last decoded prompt when that prompt is where this
+        one starts and longer than the refresh's prefix: only the newer tokens are prefilled."""
+        if gen.user_id not in self.served:
+            return False
+        if gen.prefix_kv is not None:
+            prompt = gen.prefix_kv.prompt_ids + list(gen.suffix_tokens)
+        else:
+            prompt = gen.full_prompt
+        kept = self.served.longest_prefix(gen.user_id, prompt)
+        if kept is None or (gen.prefix_kv is not None and kept.length <= gen.prefix_kv.length):
+            return False
+        gen.prefix_kv, gen.suffix_tokens = kept, prompt[len(kept.prompt_ids) :]
+        metrics.PREFIX_KV_LOOKUPS.labels(result="served").inc()
+        return True
 
     # --- 3. branches, 5. merge ----------------------------------------------------------
 
@@ -624,6 +658,7 @@ class ModelDecoder:
         mode, started = self._next_mode(), time.perf_counter()
         items: list[list[tuple[int, float]]] = [[] for _ in requests]
         stats: list[dict[str, Any]] = [{} for _ in requests]
+        prompt_kvs: list[Any] = [None] * len(requests)
         # in order of the tokens each prefills, so the engine prefills long and short ones
         # in separate calls (slot_cache.pending_chunks) instead of padding all to the longest
         with_prefix = sorted(
@@ -643,16 +678,32 @@ class ModelDecoder:
             exclude = _excluded([requests[i] for i in with_prefix])
             result = self._search(target_batch, draft_prompts, beam_width, exclude, mode)
             self._collect(result, with_prefix, requests, beam_width, items, stats, mode)
+            self._keep_prompt_kvs(result, with_prefix, prompt_kvs)
         if without:
             prompts = [requests[i].full_prompt for i in without]
             exclude = _excluded([requests[i] for i in without])
             result = self._search(prompts, prompts, beam_width, exclude, mode)
             self._collect(result, without, requests, beam_width, items, stats, mode)
+            self._keep_prompt_kvs(result, without, prompt_kvs)
         if self.auto is not None and requests:
             # _collect read every result back to the host, so the device work is done
             self.auto.record(mode, time.perf_counter() - started, len(requests))
         metrics.DECODE_BATCHES.labels(mode=mode).inc()
-        return GenerativeBatch(items, stats)
+        return GenerativeBatch(items, stats, prompt_kvs if self.settings.reuse_prompt_kv else None)
+
+    def _keep_prompt_kvs(self, result, rows: list[int], prompt_kvs: list[Any]) -> None:
+        """The decoded prompts' KVs into ``prompt_kvs`` (at ``rows``), the draft's as the
+        companion ``_draft_prompts`` looks for, under this model version."""
+        if result.prompt_kv is None:
+            return
+        version, key = str(getattr(self.models, "version", "")), f"draft:{self.draft_name}"
+        drafts = result.draft_prompt_kv or [None] * len(rows)
+        for i, kept, draft_kv in zip(rows, result.prompt_kv, drafts, strict=True):
+            kept.model_version = version
+            if draft_kv is not None:
+                draft_kv.model_version = f"{version}/{key}"
+                kept.companions[key] = draft_kv
+            prompt_kvs[i] = kept
 
     def _draft_prompts(self, requests: Sequence[GenerativeRequest], mode: str):
         """The draft's view of prefix-KV requests: its own prefix KV of the same cached prompt.
@@ -686,7 +737,7 @@ class ModelDecoder:
 
             return batched_beam_search(
                 self.models.target, target_prompts, self.trie, self.layout, beam_width,
-                exclude=exclude,
+                exclude=exclude, keep_prompt_kv=self.settings.reuse_prompt_kv,
             )  # fmt: skip
         # loads torch, as in __init__
         from genrec.online.decoding.engine import batched_speculative_beam_search
@@ -697,7 +748,7 @@ class ModelDecoder:
             self.models.target, self.draft, target_prompts, self.trie, self.layout,
             k=beam_width, n_draft=max(self.settings.draft_beams, beam_width),
             gamma=self.settings.gamma, mode=mode, generator=self.generator,
-            monitor=self.monitor, exclude=exclude,
+            monitor=self.monitor, exclude=exclude, keep_prompt_kv=self.settings.reuse_prompt_kv,
         )  # fmt: skip
 
     def _collect(self, result, rows, requests, beam_width, items, stats, mode: str) -> None:

@@ -403,3 +403,39 @@ def test_prefill_in_length_ranges_equals_one_padded_call(monkeypatch, vectors: b
     assert len(pending_chunks([len(s) + 1 for s in suffixes])) > 2
     for chunked, reference in zip(decode_all(), padded, strict=True):
         assert_same(chunked, reference, atol=1e-9)
+
+
+@pytest.mark.parametrize("vectors", [False, True])
+def test_a_kept_prompt_kv_serves_the_next_request_as_its_prefix(vectors: bool):
+    """The prompt KV a decode keeps, used as the prefix of a longer prompt, gives that
+    prompt's full-prompt items and scores (target-only and strict, the draft's kept too)."""
+    case = Case(seed=11, n_users=5)
+    if vectors:
+        attach_item_vectors(
+            case.target, case.trie, torch.randn(case.trie.n_items, 8, dtype=torch.float64)
+        )
+    first = batched_speculative_beam_search(
+        case.target, case.draft, case.prompts, case.trie, case.layout, 5, n_draft=8,
+        keep_prompt_kv=True,
+    )  # fmt: skip
+    assert [p.prompt_ids for p in first.prompt_kv] == case.prompts
+    assert [p.prompt_ids for p in first.draft_prompt_kv] == case.prompts
+    kept = first.prompt_kv[0]
+    assert kept.keys[0].shape[1] == len(case.prompts[0]) - 1 == kept.length
+    generator = torch.Generator().manual_seed(2)
+    newer = [case.items[torch.randint(0, case.trie.n_items, (1 + i % 2,), generator=generator)]
+             .flatten().tolist() for i in range(len(case.prompts))]  # fmt: skip
+    longer = [p + n for p, n in zip(case.prompts, newer, strict=True)]
+    reference = batched_beam_search(case.target, longer, case.trie, case.layout, 5)
+    target_batch = PrefixBatch(first.prompt_kv, newer)
+    draft_batch = PrefixBatch(first.draft_prompt_kv, newer)
+    again = batched_beam_search(
+        case.target, target_batch, case.trie, case.layout, 5, keep_prompt_kv=True
+    )
+    assert_same(again, reference)
+    assert [p.prompt_ids for p in again.prompt_kv] == longer  # and it chains
+    strict = batched_speculative_beam_search(
+        case.target, case.draft, (target_batch, draft_batch), case.trie, case.layout, 5,
+        n_draft=8,
+    )  # fmt: skip
+    assert_same(strict, reference)

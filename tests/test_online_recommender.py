@@ -305,6 +305,33 @@ def test_versions_swap_between_batches_and_survive_a_failed_load() -> None:
     assert versions.current().key == "v2" and loads == ["v1", "v2", "bad"]
 
 
+def test_installing_a_version_freezes_what_is_alive_and_frees_what_the_last_one_dropped():
+    import gc
+    import weakref
+
+    class Models:  # a cycle: only the cyclic collector frees it
+        def __init__(self) -> None:
+            self.me = self
+
+    active = {"key": "v1"}
+
+    def load(key: str) -> ServingBundle:
+        return ServingBundle(key, decoder=Models())
+
+    gc.collect()
+    try:
+        versions = ServingVersions(lambda: active["key"], load, freeze_gc=True)
+        versions.start(background=False)
+        assert gc.get_freeze_count() > 0
+        first = weakref.ref(versions.current().decoder)
+        for key in ("v2", "v3"):
+            active["key"] = key
+            assert versions.check_now() and versions.current().key == key
+        assert first() is None  # frozen with v1, collected at v3's install
+    finally:
+        gc.unfreeze()
+
+
 def test_nothing_active_serves_an_empty_bundle() -> None:
     versions = ServingVersions(lambda: None, lambda key: ServingBundle(key)).start(background=False)
     assert versions.current().key == "none" and versions.current().decoder is None

@@ -76,7 +76,7 @@ import torch
 import torch.nn.functional as F
 
 from genrec.online.decoding.constraints import ItemConstraint
-from genrec.online.decoding.prefix_kv import PrefixBatch
+from genrec.online.decoding.prefix_kv import PrefixBatch, PrefixKV
 from genrec.online.decoding.slot_cache import Prompts, SlotModel
 from genrec.online.decoding.trie_tables import TrieTables
 
@@ -123,6 +123,10 @@ class DecodeResult:
     item_index: torch.Tensor  # LongTensor[B, K]
     scores: torch.Tensor  # Tensor[B, K]
     stats: list[DecodeStats] = field(default_factory=list)
+    # with ``keep_prompt_kv``: each user's prompt KV (``SlotModel.prompt_kvs``), the target's
+    # and, in a speculative decode, the draft's
+    prompt_kv: list[PrefixKV] | None = None
+    draft_prompt_kv: list[PrefixKV] | None = None
 
 
 class AcceptanceMonitor:
@@ -398,6 +402,7 @@ class BatchedDecode:
         generator: torch.Generator | None = None,
         stop_early: bool | None = None,
         constraint: ItemConstraint | None = None,
+        keep_prompt_kv: bool = False,
     ) -> None:
         if mode not in ("target", "strict", "relaxed", "probe"):
             raise ValueError(f"mode must be 'strict' or 'relaxed', got {mode!r}")
@@ -428,6 +433,7 @@ class BatchedDecode:
                 raise ValueError("target and draft prompts differ in length")
             self.draft_head = ItemHead(draft, tables, score_mode)
         self.draft_fed_prompt = False
+        self.keep_prompt_kv = keep_prompt_kv
         # reading a flag back costs nothing on a CPU; on a GPU it would stall the queue
         self.stop_early = self.device.type == "cpu" if stop_early is None else stop_early
         self.generator = generator
@@ -455,7 +461,12 @@ class BatchedDecode:
     @torch.no_grad()
     def run(self) -> DecodeResult:
         try:
-            return self._run()
+            result = self._run()
+            if self.keep_prompt_kv and self.target.fed_pending:
+                result.prompt_kv = self.target.prompt_kvs(_model_version(self.target))
+                if self.draft is not None and self.draft.fed_pending:
+                    result.draft_prompt_kv = self.draft.prompt_kvs(_model_version(self.draft))
+            return result
         finally:
             for kv in (self.target, self.draft):
                 if kv is not None:
@@ -728,6 +739,11 @@ class BatchedDecode:
         return DecodeResult(tokens, items, beams.scores, stats)
 
 
+def _model_version(kv: SlotModel) -> str:
+    """The model version of a batch's cached prefixes ("" for full prompts: the caller knows)."""
+    return kv.prefixes[0].model_version if kv.prefixes else ""
+
+
 def relaxed_choice(candidates, q, keys, drafted, node_of_key, may_accept, k: int, generator):
     """The relaxed rule at one drafted level, for every user (module docstring, step 3).
 
@@ -790,6 +806,7 @@ def batched_beam_search(
     score_mode: ScoreMode = "allowed",
     exclude: Sequence[Sequence[int]] | None = None,
     stop_early: bool | None = None,
+    keep_prompt_kv: bool = False,
 ) -> DecodeResult:
     """Top-``k`` valid items per user by beam search with ``model`` alone.
 
@@ -797,10 +814,14 @@ def batched_beam_search(
     catalog rows user ``b`` must not get. One model call per level; ``stop_early``
     (default: on a CPU, where reading a flag back costs nothing) stops once every
     beam of the batch has a single item left (a host read per level; same items).
+    ``keep_prompt_kv``: also return each user's prompt KV (``DecodeResult.prompt_kv``).
     """
     trie = check_inputs(model, prompts, layout, trie, k)
     tables = TrieTables.of(trie)
-    decode = BatchedDecode(model, prompts, tables, k, score_mode, exclude, stop_early=stop_early)
+    decode = BatchedDecode(
+        model, prompts, tables, k, score_mode, exclude, stop_early=stop_early,
+        keep_prompt_kv=keep_prompt_kv,
+    )  # fmt: skip
     return decode.run()
 
 
@@ -820,6 +841,7 @@ def batched_speculative_beam_search(
     score_mode: ScoreMode = "allowed",
     monitor: AcceptanceMonitor | None = None,
     exclude: Sequence[Sequence[int]] | None = None,
+    keep_prompt_kv: bool = False,
 ) -> DecodeResult:
     """Top-``k`` valid items per user, the draft proposing and the target verifying.
 
@@ -827,16 +849,17 @@ def batched_speculative_beam_search(
     prefills the full prompts); or a (target, draft) pair of those. ``generator``
     seeds relaxed sampling (default: a CPU generator with seed 0). With a
     ``monitor`` that says the draft no longer pays, decodes target-only.
+    ``keep_prompt_kv``: as ``batched_beam_search``, the draft's too.
     """
     target_prompts, draft_prompts = split_prompts(prompts)
     trie = check_inputs(target, target_prompts, layout, trie, k)
     if monitor is not None and not monitor.use_speculative():
-        options = {"score_mode": score_mode, "exclude": exclude}
+        options = {"score_mode": score_mode, "exclude": exclude, "keep_prompt_kv": keep_prompt_kv}
         return batched_beam_search(target, target_prompts, trie, layout, k, **options)
     decode = BatchedDecode(
         target, target_prompts, TrieTables.of(trie), k, score_mode, exclude, draft=draft,
         draft_prompts=draft_prompts, n_draft=n_draft, gamma=gamma, mode=mode,
-        generator=generator or torch.Generator().manual_seed(0),
+        generator=generator or torch.Generator().manual_seed(0), keep_prompt_kv=keep_prompt_kv,
     )  # fmt: skip
     result = decode.run()
     for stats in result.stats if monitor is not None else ():

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from genrec.online.decoding.prefix_kv import PrefixBatch, cache_argument
+from genrec.online.decoding.prefix_kv import PrefixBatch, PrefixKV, cache_argument
 
 Prompts = list[list[int]] | PrefixBatch
 
@@ -119,6 +119,7 @@ class SlotModel:
             prefixes, prefix_len, pending = [], [0] * len(prompts), [list(p) for p in prompts]
             before = [[] for _ in prompts]
         self.n_users = len(pending)
+        self.prefixes, self.prefix_len, self.pending = prefixes, prefix_len, pending
         self.prefix_width = max(prefix_len)
         self.pending_width = max(len(p) for p in pending)
         self.chunks = pending_chunks([len(p) for p in pending])
@@ -128,6 +129,7 @@ class SlotModel:
             self._copy_prefixes(prefixes, prefix_len)
         self._pending(prefix_len, pending, before)
         self.cursor = self.prefix_width  # the slot the next call writes first
+        self.fed_pending = False  # whether a call fed the pending tokens (their KV is in place)
 
     def _allocate(self, config) -> None:
         config = config.get_text_config(decoder=True)
@@ -144,6 +146,29 @@ class SlotModel:
         keys, values = list(views[0].unbind(0)), list(views[1].unbind(0))
         self.cache = SlotKV(self.base.config, keys, values)
         self.cache_kwarg = cache_argument(type(self.base))
+
+    def prompt_kvs(self, model_version: str) -> list[PrefixKV]:
+        """Each user's whole prompt as a ``PrefixKV`` (the keys and values of all its tokens
+        but the last), copied out of the slots; valid once the pending tokens were fed.
+
+        A later request whose prompt starts with these tokens prefills only the rest
+        (``online.served_prompts``). One copy per user, whatever the number of layers.
+        """
+        if not self.fed_pending:
+            raise RuntimeError("the pending tokens were never fed: no prompt KV to copy")
+        start, n_layers = self.prefix_width, len(self.cache.slot_keys)
+        out = []
+        for row, (pending, length) in enumerate(zip(self.pending, self.prefix_len, strict=True)):
+            # the cached tokens, then the pending ones (a prefix's last token is re-fed there)
+            tokens = self.prefixes[row].prompt_ids[:-1] + pending if self.prefixes else pending
+            cached = len(tokens) - 1  # the prefix's slots, then the pending ones but the last
+            kv = self.layer_kv[:, row, :, start - length : start - length + cached].clone()
+            layers = kv.unbind(0)
+            out.append(
+                PrefixKV(list(tokens), list(layers[:n_layers]), list(layers[n_layers:]),
+                         model_version)
+            )  # fmt: skip
+        return out
 
     def close(self) -> None:
         """Hand the KV storage back for the next decode (this object is unusable after)."""
@@ -242,6 +267,7 @@ class SlotModel:
         call starts with the pending tokens (``pending_width`` rows, whose own
         ``ids``, ``positions`` and ``paths`` are not passed).
         """
+        self.fed_pending |= with_pending
         if with_pending and len(self.chunks) > 1:
             tips = self._prefill_chunks()
             if not ids.shape[1]:
