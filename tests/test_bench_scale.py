@@ -21,6 +21,7 @@ from genrec.app.bench.scale import (
     growth_exponent,
     hr_at_10,
     markdown_table,
+    merge_reports,
     n_log_n_exponent,
     parse_count,
     parse_sizes,
@@ -126,7 +127,15 @@ def test_report_exponents_and_verdicts_from_fake_results(tmp_path: Path) -> None
     assert "collisions 1.00%, largest group 3" in table
     assert "timeout (stopped after 50 s)" in table
     assert "HR@10 itemcf 0.200" in table
-    plot_report(report, tmp_path / "scale.png")
+    later = build_report(ScaleConfig(sizes=(Size(100_000, 100_000, 1_000_000),)), [],
+                         [_row("ingest", Size(100_000, 100_000, 1_000_000), 1_000_000, 200.0)])  # fmt: skip
+    merged = merge_reports(report, later)
+    assert merged["config"]["sizes"] == ["1k:1k:10k", "10k:10k:100k", "100k:100k:1M"]
+    assert [e["to"] for e in merged["exponents"] if e["stage"] == "ingest"] == [
+        "10k:10k:100k", "100k:100k:1M",
+    ]  # fmt: skip
+    assert len(merged["runs"]) == 2 and len(merged["rows"]) == len(rows) + 1
+    plot_report(merged, tmp_path / "scale.png")
     assert (tmp_path / "scale.png").stat().st_size > 10_000
 
 

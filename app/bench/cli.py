@@ -530,6 +530,11 @@ def _register_scale(bench: argparse._SubParsersAction) -> None:
     scale.add_argument("--out", type=Path, default=None, help="default: var/bench/scale")
     scale.add_argument("--json", type=Path, default=None, help="default: OUT/scale.json")
     scale.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
+    scale.add_argument(
+        "--append", action="store_true",
+        help="keep the JSON's rows of other sizes (a size run later, e.g. a stage subset): "
+        "exponents and verdicts over all of them",
+    )  # fmt: skip
     scale.set_defaults(handler=_bench_scale)
 
 
@@ -537,6 +542,7 @@ def _bench_scale(args: argparse.Namespace) -> int:
     from genrec.app.bench.scale import (
         DEFAULT_SIZES,
         ScaleConfig,
+        merge_reports,
         parse_sizes,
         print_report,
         run_scale_bench,
@@ -560,6 +566,8 @@ def _bench_scale(args: argparse.Namespace) -> int:
     out_dir = (args.out or settings.path("bench", "scale")).resolve()
     report = run_scale_bench(settings, config, out_dir)
     json_path = args.json or out_dir / "scale.json"
+    if args.append and json_path.exists():
+        report = merge_reports(json.loads(json_path.read_text()), report)
     write_outputs(report, json_path, args.png or json_path.with_suffix(".png"))
     print_report(report)
     print(f"scale: wrote {json_path} and {args.png or json_path.with_suffix('.png')}")

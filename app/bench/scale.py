@@ -712,6 +712,28 @@ def build_report(config: ScaleConfig, stages: Sequence[Stage], results: Sequence
     }
 
 
+def merge_reports(earlier: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` plus the rows of ``earlier``'s other sizes (a size measured again replaces
+    its old rows), sizes ordered by events, exponents and verdicts over them all."""
+    new_sizes = set(report["config"]["sizes"])
+    kept = [r for r in earlier["rows"] if r["size"] not in new_sizes]
+    results = [StageResult(**row) for row in [*kept, *report["rows"]]]
+    labels = dict.fromkeys([*earlier["config"]["sizes"], *report["config"]["sizes"]])
+    sizes = sorted((parse_sizes(label)[0] for label in labels), key=lambda s: (s.events, s.items))
+    merged = dict(report)
+    merged["config"] = {**report["config"], "sizes": [s.label for s in sizes]}
+    merged["runs"] = [*earlier.get("runs", [_run_summary(earlier)]), _run_summary(report)]
+    merged["rows"] = [asdict(r) for r in results]
+    merged["exponents"] = exponents(results, sizes)
+    merged["verdicts"] = verdicts(results, sizes)
+    return merged
+
+
+def _run_summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {"started_at": report["started_at"], "host": report["host"],
+            "sizes": report["config"]["sizes"], "stages": report["stages"]}  # fmt: skip
+
+
 def row_names(results: Sequence[StageResult]) -> list[str]:
     return list(dict.fromkeys(r.stage for r in results))
 
@@ -791,7 +813,9 @@ def verdicts(results: Sequence[StageResult], sizes: Sequence[Size]) -> list[dict
 
 
 def _fmt_s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+    if value is None:
+        return "-"
+    return f"{value:.1f}" if value >= 10 else f"{value:.2f}" if value >= 0.1 else f"{value:.3f}"
 
 
 def _fmt_mib(value: int | None) -> str:
@@ -865,7 +889,9 @@ def plot_report(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (times, memory) = plt.subplots(1, 2, figsize=(12, 5))
+    figure, (times, memory) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for axis in (times, memory):  # more stages than the default cycle has colours
+        axis.set_prop_cycle(color=plt.cm.tab20.colors)
     for name in dict.fromkeys(r["stage"] for r in report["rows"]):
         rows = [r for r in report["rows"]
                 if r["stage"] == name and r["status"] == "ok" and r["seconds"]]  # fmt: skip
