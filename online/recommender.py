@@ -390,10 +390,14 @@ class Recommender:
 
     def _decode(self, prepared: PreparedBatch) -> list | None:
         """Each request's generative (item id, score) list, best first (None: no decoder)."""
-        chunk = self.settings.max_batch_users
+        # calls of (nearly) equal size: 67 users as 34 + 33, not 64 + 3, whose second call
+        # would pay a whole call's fixed work for 3 users
+        n = prepared.users
+        calls = -(-n // self.settings.max_batch_users)
+        bounds = [i * n // calls for i in range(calls + 1)] if calls else [0]
         lists: list = []
-        for start in range(0, prepared.users, chunk):
-            part = slice(start, start + chunk)
+        for start, stop in zip(bounds, bounds[1:], strict=False):
+            part = slice(start, stop)
             metrics.BATCH_USERS.observe(len(prepared.requests[part]))
             if prepared.gen_requests is not None:
                 lists.extend(
