@@ -340,9 +340,9 @@ class SlotModel:
 
 
 # What one more model call costs, in pending tokens it could have computed instead (the
-# 2-core CPU, `small` model: a call's fixed work ~1 ms, a token at batch 64 ~5 us). Chunks
-# pay only where a suffix is far longer than the others'; on a GPU, where a call costs
-# more and a token less, fewer chunks would be chosen with a larger value.
+# 2-core CPU, `small` model, roughly: a call's fixed work ~1 ms, a token at batch 64 a few
+# us). Chunks pay only where a suffix is far longer than the others'; on a GPU, where a
+# call costs more and a token less, fewer chunks would be chosen with a larger value.
 PENDING_CALL_TOKENS = 256
 
 
