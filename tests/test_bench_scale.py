@@ -191,3 +191,25 @@ def test_a_tiny_size_through_the_real_commands(kafka_broker, tmp_path: Path) -> 
     assert rows["recall"]["disk_bytes"] > rows["synthetic"]["disk_bytes"]
     assert not (tmp_path / "out" / "runs" / "300x500x5k" / "data").exists()  # not kept
     assert (tmp_path / "out" / "runs" / "300x500x5k" / "logs" / "ingest.log").exists()
+
+
+def test_each_size_gets_a_fresh_store_of_the_configured_kind(database_url, tmp_path: Path) -> None:
+    """SQLite: a file in the size's folder; PostgreSQL: a new database on that server,
+    dropped afterwards; the caller's own store is never the one the stages write."""
+    from genrec.app.bench.scale import _store_bytes, size_run
+    from genrec.infra.database import make_engine
+
+    settings = Settings(home=tmp_path, database_url=database_url)
+    run = size_run(settings, ScaleConfig(sizes=(Size(1, 1, 1),)), Size(1, 1, 1), 0,
+                   tmp_path / "runs" / "1x1x1", "127.0.0.1:1")  # fmt: skip
+    assert run.database_url != database_url
+    assert run.env["GENREC_DATABASE_URL"] == run.database_url
+    assert run.env["GENREC_DATA_DIR"] == str(tmp_path / "runs" / "1x1x1" / "data")
+    assert run.env["GENREC_KAFKA__TOPIC_EVENTS"].startswith("genrec.scale-")
+    make_engine(run.database_url).dispose()  # creates the tables
+    assert _store_bytes(run) > 0
+    if database_url.startswith("postgresql"):
+        assert run.drop_database is not None
+        run.drop_database()
+    else:
+        assert run.database_url.startswith(f"sqlite:///{tmp_path}")
