@@ -167,7 +167,7 @@ STAGES: tuple[Stage, ...] = (
         "refresh",
         "users",
         ("train", "recall"),
-        "genrec offline refresh --no-semantic-ids: load, prefix KV, activation, gc",
+        "genrec offline refresh --no-semantic-ids: load, prefix KV, recall, activation",
         (("prefix-kv", "users"), ("activation", "users")),
     ),  # fmt: skip
     Stage("serve", "items", ("refresh",), "one serving batch through the recommender"),
