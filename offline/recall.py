@@ -52,10 +52,18 @@ def fit_itemcf(
         window=recall.itemcf_window,
         distance_decay=recall.itemcf_distance_decay,
         backward_weight=recall.itemcf_backward_weight,
-        last_m=recall.itemcf_last_m,
-        recency_decay=recall.itemcf_recency_decay,
-        top_neighbors=recall.itemcf_top_neighbors,
+        **_itemcf_ranking(recall),
     )
+
+
+def _itemcf_ranking(recall) -> dict[str, float | int]:
+    """``RecallSettings``' item-CF parameters applied after the co-occurrence is summed
+    (what the in-memory and the paged fits share)."""
+    return {
+        "last_m": recall.itemcf_last_m,
+        "recency_decay": recall.itemcf_recency_decay,
+        "top_neighbors": recall.itemcf_top_neighbors,
+    }
 
 
 def fit_branches(
@@ -153,13 +161,7 @@ def fit_store_branches(settings, engine, until_ts_ms: int | None = None) -> dict
         source = "cooccurrence"
     return {
         "popularity": popularity.branch(item_ids),
-        "itemcf": ItemCFBranch.from_cooccurrence(
-            item_ids,
-            itemcf,
-            last_m=recall.itemcf_last_m,
-            recency_decay=recall.itemcf_recency_decay,
-            top_neighbors=recall.itemcf_top_neighbors,
-        ),
+        "itemcf": ItemCFBranch.from_cooccurrence(item_ids, itemcf, **_itemcf_ranking(recall)),
         "ann": _ann_branch(item_ids, embeddings, recall, source),
     }
 

@@ -489,7 +489,7 @@ class Recommender:
             prompt = gen.prefix_kv.prompt_ids + list(gen.suffix_tokens)
         else:
             prompt = gen.full_prompt
-        kept = self.served.longest_prefix(gen.user_id, prompt)
+        kept = self.served.kept_prefix_of(gen.user_id, prompt)
         if kept is None or (gen.prefix_kv is not None and kept.length <= gen.prefix_kv.length):
             return False
         gen.prefix_kv, gen.suffix_tokens = kept, prompt[len(kept.prompt_ids) :]

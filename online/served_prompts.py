@@ -18,7 +18,7 @@ event log, and is dropped when the serving version changes. Thread-safe.
 Example::
 
     >>> served = ServedPrompts(size=2, max_bytes=2**20)
-    >>> served.longest_prefix("u1", [1, 7, 260]) is None
+    >>> served.kept_prefix_of("u1", [1, 7, 260]) is None
     True
 """
 
@@ -40,7 +40,7 @@ class ServedPrompts:
         self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def longest_prefix(self, user_id: str, prompt_ids: Sequence[int]) -> Any | None:
+    def kept_prefix_of(self, user_id: str, prompt_ids: Sequence[int]) -> Any | None:
         """The user's kept prompt KV when its tokens start ``prompt_ids`` (else None)."""
         with self._lock:
             found = self._entries.get(user_id)

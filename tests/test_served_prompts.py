@@ -31,11 +31,11 @@ def kept(tokens: list[int], width: int = 10) -> PrefixKV:
 def test_a_kept_prompt_is_used_only_where_the_new_prompt_starts_with_it():
     served = ServedPrompts(size=10, max_bytes=10**6)
     served.put("u", kept([1, 5, 6, 7]))
-    assert served.longest_prefix("u", [1, 5, 6, 7, 8, 9]).prompt_ids == [1, 5, 6, 7]
-    assert served.longest_prefix("u", [1, 5, 6, 7]) is not None  # nothing newer: all cached
-    assert served.longest_prefix("u", [1, 5, 6]) is None  # shorter
-    assert served.longest_prefix("u", [1, 6, 5, 7, 8]) is None  # another order (late event)
-    assert served.longest_prefix("v", [1, 5, 6, 7, 8]) is None
+    assert served.kept_prefix_of("u", [1, 5, 6, 7, 8, 9]).prompt_ids == [1, 5, 6, 7]
+    assert served.kept_prefix_of("u", [1, 5, 6, 7]) is not None  # nothing newer: all cached
+    assert served.kept_prefix_of("u", [1, 5, 6]) is None  # shorter
+    assert served.kept_prefix_of("u", [1, 6, 5, 7, 8]) is None  # another order (late event)
+    assert served.kept_prefix_of("v", [1, 5, 6, 7, 8]) is None
 
 
 def test_the_lru_is_bounded_by_users_and_by_bytes():
