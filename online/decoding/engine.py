@@ -432,7 +432,6 @@ class BatchedDecode:
             if not torch.equal(self.draft.prompt_len, self.target.prompt_len):
                 raise ValueError("target and draft prompts differ in length")
             self.draft_head = ItemHead(draft, tables, score_mode)
-        self.draft_fed_prompt = False
         self.keep_prompt_kv = keep_prompt_kv
         # reading a flag back costs nothing on a CPU; on a GPU it would stall the queue
         self.stop_early = self.device.type == "cpu" if stop_early is None else stop_early
@@ -603,8 +602,7 @@ class BatchedDecode:
     def draft_call(self, frontier: BeamBatch, levels: torch.Tensor, j: int) -> torch.Tensor:
         """Draft hidden states [B, W, H] at the frontier: its unfed tokens are fed first."""
         kv = self.draft
-        if j == 1 and not self.draft_fed_prompt:
-            self.draft_fed_prompt = True
+        if j == 1 and not kv.fed_pending:
             empty = frontier.tokens[:, :0, 0]
             hidden = kv.forward(empty, empty, frontier.paths["draft"][:, :0], with_pending=True)
             tips = kv.tip_columns[:, None].expand_as(frontier.scores)
