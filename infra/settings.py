@@ -115,6 +115,9 @@ class IngestSettings(BaseModel):
     # (its own core; the default) or a thread (always used for an in-memory SQLite
     # URL or an engine passed in).
     writer: Literal["process", "thread"] = "process"
+    # `genrec replay` reads its event and item files this many rows at a time and sorts an
+    # out-of-order log in runs of this size: its memory is a few chunks, whatever the file.
+    replay_chunk_rows: int = Field(default=200_000, ge=1)
 
 
 class OnlineSettings(BaseModel):
@@ -229,6 +232,10 @@ class DecodeSettings(BaseModel):
     dtype: DecodeDtype = "float32"
     # torch.compile of the decoder stacks; reduce-overhead replays CUDA graphs on a GPU.
     compile: CompileMode = "off"
+    # SlotModel runs Llama-architecture models through online/decoding/lean_forward.py (the
+    # same ops as transformers' sdpa path without its per-call Python work); others, and
+    # compiled or training models, always go through transformers. Off: transformers always.
+    lean_forward: bool = True
 
 
 class ModelSettings(BaseModel):

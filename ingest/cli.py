@@ -38,7 +38,9 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "replay",
         help="stream a recorded interaction log into the events topic",
         description="Produce events in stable timestamp order with deterministic ids, and "
-        "load the item catalog into the store (--items alone: the catalog only).",
+        "load the item catalog into the store (--items alone: the catalog only). Files are "
+        "read ingest.replay_chunk_rows rows at a time; a log out of time order is sorted "
+        "in runs spilled under DATA_DIR/tmp (docs/ingest.md).",
     )
     source = replay.add_mutually_exclusive_group()
     source.add_argument("--dataset", choices=["ml-100k"], help="a bundled dataset")
@@ -131,21 +133,19 @@ def _replay(args: argparse.Namespace) -> int:
     if args.dataset is None and args.events is None:
         return _load_catalog(settings, args)
     if args.dataset == "ml-100k":
-        frame, prefix = replay.ml100k_events(), "ml-100k"
-        item_rows = None if args.no_items else replay.ml100k_items()
+        events, prefix = replay.ml100k_events(), "ml-100k"
+        if not args.no_items:
+            count = replay.load_items(settings, replay.ml100k_items())
+            print(f"items: {count:,} upserted into the store")
     else:
-        frame, prefix = replay.read_table(args.events), args.events.name.split(".")[0]
-        item_rows = (
-            replay.item_rows(replay.read_table(args.items))
-            if args.items and not args.no_items
-            else None
-        )
-    if item_rows:
-        count = replay.load_items(settings, item_rows)
-        print(f"items: {count:,} upserted into the store")
+        # Files are streamed a chunk at a time (ingest.replay_chunk_rows), never read whole.
+        events, prefix = replay.TableSource(args.events), args.events.name.split(".")[0]
+        if args.items and not args.no_items:
+            count = replay.load_item_file(settings, args.items)
+            print(f"items: {count:,} upserted into the store")
     result = replay.replay_events(
         settings,
-        frame,
+        events,
         rate=args.rate,
         start=args.start,
         end=args.end,
@@ -195,6 +195,6 @@ def _load_catalog(settings, args: argparse.Namespace) -> int:
 
     if args.items is None or args.no_items:
         raise UserFacingError("give --dataset or --events to replay, or --items to load a catalog")
-    count = replay.load_items(settings, replay.item_rows(replay.read_table(args.items)))
+    count = replay.load_item_file(settings, args.items)
     print(f"items: {count:,} upserted into the store (no events replayed)")
     return 0
