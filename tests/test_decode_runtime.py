@@ -60,5 +60,7 @@ def test_apply_runtime_covers_target_and_each_draft_once(small) -> None:
     models = copy.deepcopy(small[0])
     models.relaxed_draft = models.draft
     applied = apply_runtime(models, "bfloat16", "off")
-    assert applied == {"dtype": "bfloat16", "compile": "off", "device": "cpu"}
+    assert applied == {
+        "dtype": "bfloat16", "compile": "off", "device": "cpu", "lean_forward": "on"
+    }  # fmt: skip
     assert {next(m.parameters()).dtype for m in (models.target, models.draft)} == {torch.bfloat16}

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from genrec.online.decoding.lean_forward import lean_decoder
 from genrec.online.decoding.prefix_kv import PrefixBatch, PrefixKV, cache_argument
 
 Prompts = list[list[int]] | PrefixBatch
@@ -99,6 +100,7 @@ class SlotModel:
 
     def __init__(self, model, prompts: Prompts, extra_slots: int) -> None:
         self.base = model.get_decoder()
+        self.lean = lean_decoder(self.base)  # None: calls go through transformers
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         # An input embedding that reads the codes before a token (online.models.item_vectors)
@@ -143,8 +145,13 @@ class SlotModel:
         self.storage = BUFFERS.take(2 * n_layers * math.prod(shape), self.dtype, self.device)
         views = self.storage[: 2 * n_layers * math.prod(shape)].view(2, n_layers, *shape)
         self.layer_kv = views.flatten(0, 1)  # [keys of every layer, then values, B, ...]
-        keys, values = list(views[0].unbind(0)), list(views[1].unbind(0))
-        self.cache = SlotKV(self.base.config, keys, values)
+        self.slot_keys, self.slot_values = list(views[0].unbind(0)), list(views[1].unbind(0))
+        # the transformers path's cache over the same tensors (~0.1 ms to make: not when lean)
+        self.cache = (
+            None
+            if self.lean is not None
+            else SlotKV(self.base.config, self.slot_keys, self.slot_values)
+        )
         self.cache_kwarg = cache_argument(type(self.base))
 
     def prompt_kvs(self, model_version: str) -> list[PrefixKV]:
@@ -156,7 +163,7 @@ class SlotModel:
         """
         if not self.fed_pending:
             raise RuntimeError("the pending tokens were never fed: no prompt KV to copy")
-        start, n_layers = self.prefix_width, len(self.cache.slot_keys)
+        start, n_layers = self.prefix_width, len(self.slot_keys)
         out = []
         for row, (pending, length) in enumerate(zip(self.pending, self.prefix_len, strict=True)):
             # the cached tokens, then the pending ones (a prefix's last token is re-fed there)
@@ -174,7 +181,7 @@ class SlotModel:
         """Hand the KV storage back for the next decode (this object is unusable after)."""
         if self.storage is not None:
             BUFFERS.give(self.storage)
-            self.storage = self.cache = None
+            self.storage = self.slot_keys = self.slot_values = self.cache = None
 
     def _copy_prefixes(self, prefixes, prefix_len: list[int]) -> None:
         """Every user's cached prefix into its row, right-aligned, zeros before it.
@@ -183,7 +190,7 @@ class SlotModel:
         in C++: one call per layer when every prefix has the same length, else one per
         user for all its layers, instead of four Python tensor operations per user and layer.
         """
-        expected = len(self.cache.slot_keys)
+        expected = len(self.slot_keys)
         if any(len(p.keys) != expected for p in prefixes):
             raise ValueError(f"prefix KV with the wrong number of layers (model has {expected})")
         width, slots = self.prefix_width, self.layer_kv
@@ -284,15 +291,27 @@ class SlotModel:
             if pad:
                 pending = F.pad(pending, (0, pad), value=self.hidden_value)
             mask = torch.cat([pending, mask], 1) if mask.shape[1] else pending
-        self.cache.start = self.cursor
+        hidden = self._call(self._inputs(ids, with_pending), positions, mask,
+                            self.slot_keys, self.slot_values, self.cursor)  # fmt: skip
+        self.cursor = width
+        return hidden
+
+    def _call(self, inputs: dict, positions, mask, keys, values, start: int) -> torch.Tensor:
+        """The decoder stack writing slots ``[start, start + Q)`` of ``keys`` / ``values`` (per
+        layer), additive ``mask`` [B, Q, start + Q]: lean (``lean_forward.py``) or through
+        transformers (a ``SlotKV`` over the same tensors); the last hidden states."""
+        if self.lean is not None:
+            return self.lean(inputs.get("input_ids"), inputs.get("inputs_embeds"), positions,
+                             mask, keys, values, start)  # fmt: skip
+        cache = self.cache if keys is self.slot_keys else SlotKV(self.base.config, keys, values)
+        cache.start = start
         output = self.base(
-            **self._inputs(ids, with_pending),
+            **inputs,
             position_ids=positions,
             attention_mask=mask[:, None],
             use_cache=True,
-            **{self.cache_kwarg: self.cache},
+            **{self.cache_kwarg: cache},
         )
-        self.cursor = width
         return output.last_hidden_state
 
     def _prefill_chunks(self) -> torch.Tensor:
@@ -301,24 +320,15 @@ class SlotModel:
         start, tips = self.cursor, []
         for first, stop, width in self.chunks:
             rows = slice(first, stop)
-            cache = SlotKV(
-                self.base.config,
-                [k[rows] for k in self.cache.slot_keys],
-                [v[rows] for v in self.cache.slot_values],
-            )
-            cache.start = start
             ids = self.pending_ids[rows, :width]
             inputs = {"input_ids": ids}
             if self.context_width:
                 inputs = {"inputs_embeds": self.embedding(ids, context=self.context[rows])}
-            output = self.base(
-                **inputs,
-                position_ids=self.pending_positions[rows, :width],
-                attention_mask=self.pending_mask[rows, None, :width, : start + width],
-                use_cache=True,
-                **{self.cache_kwarg: cache},
-            )
-            hidden = output.last_hidden_state
+            keys = [k[rows] for k in self.slot_keys]
+            values = [v[rows] for v in self.slot_values]
+            mask = self.pending_mask[rows, :width, : start + width]
+            hidden = self._call(inputs, self.pending_positions[rows, :width], mask, keys, values,
+                                start)  # fmt: skip
             column = self.pending_tips[rows, None, None].expand(-1, 1, hidden.shape[2])
             tips.append(hidden.gather(1, column))
         self.cursor = start + self.pending_width

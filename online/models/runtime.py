@@ -17,12 +17,16 @@ decode`` may trade that for speed (``decode.dtype``, ``decode.compile``):
   dynamic (batch size, KV width), so a compiled graph serves many of them, but
   CUDA graphs are recorded per distinct shape and the first calls of each pay
   the compilation: warm a worker before it serves. Not measured on a GPU yet.
+  A compiled model runs through transformers' forward, not the lean one.
+* **lean forward** (``decode.lean_forward``, ``online/decoding/lean_forward.py``):
+  Llama-architecture models decode through a lean stack of the same ops as
+  transformers' sdpa path; ``apply_runtime`` reports whether the target does.
 
 Example::
 
     >>> runtime = apply_runtime(models, dtype="auto", compile_mode="off")  # doctest: +SKIP
     >>> runtime
-    {'dtype': 'float32', 'compile': 'off', 'device': 'cpu'}
+    {'dtype': 'float32', 'compile': 'off', 'device': 'cpu', 'lean_forward': 'on'}
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Any, get_args
 import torch
 
 from genrec.infra.settings import CompileMode
+from genrec.online.decoding.lean_forward import lean_decoder
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,8 @@ def apply_runtime(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "compile": compile_mode,
         "device": device.type,
+        # whether SlotModel runs the target lean (off: the setting, a compiled or other model)
+        "lean_forward": "on" if lean_decoder(models.target.get_decoder()) is not None else "off",
     }
     log.info("decoding runtime: %s", applied)
     return applied
