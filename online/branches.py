@@ -14,6 +14,11 @@ for one user's top-k items given that user's history:
 - ``AnnBranch``: user vector = decayed mean of the history's item embeddings,
   searched in a FAISS inner-product index over normalized item embeddings.
 
+Serving (``recommend_batch``) never builds a row over the whole catalog: popularity
+reads the head of a list ranked once at load, item-CF sums the neighbour lists of each
+user's last items and ranks only the items they touch, ANN asks FAISS for k + seen items.
+Every branch breaks ties by catalog position.
+
 Fitted state is a versioned artifact without pickle: ``manifest.json`` (kind,
 format, parameters, item ids) plus ``arrays.npz`` read with
 ``allow_pickle=False``. ``load_branch(folder)`` reopens any of them.
@@ -57,10 +62,15 @@ class RecallBranch:
 
     # --- to override -------------------------------------------------------
 
-    def score_batch(
-        self, histories: Sequence[Sequence[str]], timestamps_ms: Sequence[Sequence[int] | None]
-    ) -> np.ndarray:
-        """Scores (users x items); items without any evidence get 0."""
+    def rank_batch(
+        self,
+        histories: Sequence[Sequence[str]],
+        k: int,
+        excludes: Sequence[Iterable[str] | None],
+        timestamps_ms: Sequence[Sequence[int] | None],
+    ) -> list[list[Recommendation]]:
+        """Each user's top-k with a positive score, best first, ties by catalog position,
+        ``excludes`` left out; the work grows with what the users touch, not the catalog."""
         raise NotImplementedError
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -102,25 +112,10 @@ class RecallBranch:
         results: list[list[Recommendation]] = []
         for start in range(0, len(histories), chunk_size):
             stop = start + chunk_size
-            scores = self.score_batch(histories[start:stop], timestamps_ms[start:stop])
-            for row, exclude in zip(scores, excludes[start:stop], strict=True):
-                results.append(self._top_k(row, k, exclude))
+            results += self.rank_batch(
+                histories[start:stop], k, excludes[start:stop], timestamps_ms[start:stop]
+            )
         return results
-
-    def _top_k(
-        self, scores: np.ndarray, k: int, exclude: Iterable[str] | None
-    ) -> list[Recommendation]:
-        scores = np.asarray(scores, dtype=np.float64).copy()
-        if exclude:
-            excluded = [self.item_index[i] for i in exclude if i in self.item_index]
-            scores[excluded] = -np.inf
-        k = min(k, len(scores))
-        candidates = (
-            np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-        )
-        # ties broken by catalog position, so results are deterministic
-        order = candidates[np.lexsort((candidates, -scores[candidates]))]
-        return [(self.item_ids[i], float(scores[i])) for i in order if scores[i] > 0]
 
     def indices(self, history: Sequence[str]) -> np.ndarray:
         """Catalog positions of the history's known items (unknown ones are skipped)."""
@@ -189,6 +184,10 @@ class PopularityBranch(RecallBranch):
     def __init__(self, item_ids: Sequence[str], params: dict[str, Any], scores: np.ndarray) -> None:
         super().__init__(item_ids, params)
         self.scores = np.asarray(scores, dtype=np.float64)
+        # every positive-score item once, best first, ties by catalog position (serving
+        # reads its head instead of ranking the whole catalog per user)
+        positive = np.flatnonzero(self.scores > 0)
+        self.ranked = positive[np.lexsort((positive, -self.scores[positive]))]
 
     @classmethod
     def fit(
@@ -220,8 +219,16 @@ class PopularityBranch(RecallBranch):
         counts.add(positions, stamps)
         return counts.branch(vocabulary)
 
-    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
-        return np.broadcast_to(self.scores, (len(histories), len(self.scores)))
+    def rank_batch(self, histories, k, excludes, timestamps_ms) -> list[list[Recommendation]]:
+        """The ranked list, skipping each user's excluded items: O(k + excluded) per user."""
+        results, index = [], self.item_index
+        for exclude in excludes:
+            excluded = {index[i] for i in exclude if i in index} if exclude else set()
+            head = self.ranked[: k + len(excluded)].tolist()
+            kept = [i for i in head if i not in excluded][:k]
+            scores = self.scores[kept].tolist()
+            results.append([(self.item_ids[i], s) for i, s in zip(kept, scores, strict=True)])
+        return results
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"scores": self.scores}
@@ -474,8 +481,50 @@ class ItemCFBranch(RecallBranch):
             (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=shape
         )
 
-    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
-        return (self.user_weights(histories) @ self.similarity).toarray()
+    def neighbor_sums(self, weights: sparse.csr_matrix) -> tuple[np.ndarray, np.ndarray]:
+        """The nonzero entries of ``weights @ similarity``: keys user * items + item, sorted,
+        and their sums. Each user's neighbour lists are gathered and summed over the items
+        they touch, in the order and float64 arithmetic of scipy's sparse product (so the
+        scores are its scores bit for bit), never a row over the whole catalog."""
+        s, n_items = self.similarity, len(self.item_ids)
+        users = np.repeat(np.arange(weights.shape[0], dtype=np.int64), np.diff(weights.indptr))
+        starts = s.indptr[weights.indices].astype(np.int64)
+        lengths = s.indptr[weights.indices + 1] - starts
+        ends = np.cumsum(lengths)
+        total = int(ends[-1]) if len(ends) else 0
+        # position in s of every neighbour of every (user, history item), row after row
+        entries = np.arange(total) + np.repeat(starts - ends + lengths, lengths)
+        keys = np.repeat(users * n_items, lengths) + s.indices[entries]
+        products = np.repeat(weights.data, lengths) * s.data[entries].astype(np.float64)
+        unique, inverse = np.unique(keys, return_inverse=True)
+        # bincount adds in array order, as the sparse product does per output entry
+        sums = np.bincount(inverse.ravel(), weights=products, minlength=len(unique))
+        return unique, sums
+
+    def rank_batch(self, histories, k, excludes, timestamps_ms) -> list[list[Recommendation]]:
+        """Top-k over the items the users' neighbour lists touch (history x neighbours)."""
+        n_items = len(self.item_ids)
+        keys, sums = self.neighbor_sums(self.user_weights(histories))
+        keep = sums > 0
+        excluded = [row * n_items + self.indices(e) for row, e in enumerate(excludes) if e]
+        if excluded:
+            keep &= ~np.isin(keys, np.concatenate(excluded))
+        users, items = np.divmod(keys[keep], n_items)
+        sums = sums[keep]
+        bounds = np.searchsorted(users, np.arange(len(histories) + 1)).tolist()
+        return [
+            self._best(items[lo:hi], sums[lo:hi], k)
+            for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+        ]
+
+    def _best(self, items: np.ndarray, sums: np.ndarray, k: int) -> list[Recommendation]:
+        """The ``k`` best of one user's candidates (given in catalog order), ties by position."""
+        if len(sums) > k:
+            kth = np.partition(sums, len(sums) - k)[len(sums) - k]  # the k-th largest
+            items, sums = items[sums >= kth], sums[sums >= kth]
+        order = np.argsort(-sums, kind="stable")[:k]  # stable: tied items stay in catalog order
+        picked = zip(items[order].tolist(), sums[order].tolist(), strict=True)
+        return [(self.item_ids[i], score) for i, score in picked]
 
     def arrays(self) -> dict[str, np.ndarray]:
         s = self.similarity
@@ -550,6 +599,19 @@ def embeddings_of_cooccurrence(
     return embeddings.astype(np.float32)
 
 
+class _FlatIndexVectors:
+    """The vectors stored in a FAISS flat index, as an array that keeps the index alive."""
+
+    def __init__(self, index) -> None:
+        self.index = index
+        self.__array_interface__ = {
+            "shape": (index.ntotal, index.d),
+            "typestr": "<f4",
+            "data": (int(index.get_xb()), True),  # True: read-only
+            "version": 3,
+        }
+
+
 class AnnBranch(RecallBranch):
     """Nearest items to the user's decayed mean embedding (FAISS inner product on unit vectors)."""
 
@@ -559,13 +621,14 @@ class AnnBranch(RecallBranch):
         super().__init__(item_ids, params)
         import faiss
 
-        self.embeddings = normalize_rows(embeddings)
-        if self.embeddings.shape[0] != len(self.item_ids):
-            raise ValueError(
-                f"ann: {self.embeddings.shape[0]} embeddings for {len(self.item_ids)} items"
-            )
-        self.index = faiss.IndexFlatIP(self.embeddings.shape[1])
-        self.index.add(self.embeddings)
+        unit = normalize_rows(embeddings)
+        if unit.shape[0] != len(self.item_ids):
+            raise ValueError(f"ann: {unit.shape[0]} embeddings for {len(self.item_ids)} items")
+        self.index = faiss.IndexFlatIP(unit.shape[1])
+        self.index.add(unit)
+        # a read-only view of the index's own copy: one copy of items x dim float32, not two
+        self.embeddings = np.asarray(_FlatIndexVectors(self.index)) if len(unit) else unit
+        del unit
 
     @classmethod
     def fit(
@@ -641,9 +704,6 @@ class AnnBranch(RecallBranch):
             ]
             results.append(ranked[:k])
         return results
-
-    def score_batch(self, histories, timestamps_ms) -> np.ndarray:
-        return self.user_vectors(histories, timestamps_ms) @ self.embeddings.T
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {"embeddings": self.embeddings}

@@ -1,0 +1,119 @@
+"""Serving the recall branches without a row over the whole catalog (issue #19) gives the
+results of the dense computation they replaced: same items, order, scores and ties."""
+
+import numpy as np
+import pytest
+from scipy import sparse
+
+from genrec.online.branches import AnnBranch, ItemCFBranch, PopularityBranch, RecallBranch
+
+
+def dense_top_k(branch: RecallBranch, scores: np.ndarray, k: int, exclude) -> list:
+    """The reference definition (the code served before): one score per catalog item, the
+    excluded set to -inf, best first with ties by catalog position, positive scores only.
+    (The old code picked the k best with ``argpartition``, which chose among items tied at
+    the k-th score arbitrarily; a full sort is the tie rule it documented.)"""
+    scores = np.asarray(scores, dtype=np.float64).copy()
+    if exclude:
+        scores[[branch.item_index[i] for i in exclude if i in branch.item_index]] = -np.inf
+    order = np.lexsort((np.arange(len(scores)), -scores))[:k]
+    return [(branch.item_ids[i], float(scores[i])) for i in order if scores[i] > 0]
+
+
+def random_requests(rng, items: list[str], users: int, with_excludes: bool):
+    """Histories with repeats, unknown items and empty ones; excludes = history (or None)."""
+    histories = []
+    for _ in range(users):
+        length = int(rng.integers(0, 30))
+        history = [items[i] for i in rng.integers(0, len(items), size=length)]
+        if rng.random() < 0.2:
+            history.append("unknown-item")
+        histories.append(history)
+    excludes = [set(h) if rng.random() < 0.8 else None for h in histories]
+    return histories, (excludes if with_excludes else None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_popularity_matches_dense_ranking(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(5, 300))
+    items = [f"i{n}" for n in range(n)]
+    # integer counts: many ties, some items never seen (score 0)
+    scores = rng.integers(0, 6, size=n).astype(np.float64)
+    if seed % 2:
+        scores = scores * rng.random(n)
+    branch = PopularityBranch(items, {}, scores)
+    for k in (1, 7, 50, n + 5):
+        histories, excludes = random_requests(rng, items, 20, with_excludes=True)
+        got = branch.recommend_batch(histories, k, excludes)
+        for row, exclude in zip(got, excludes, strict=True):
+            assert row == dense_top_k(branch, scores, k, exclude)
+
+
+def random_itemcf(rng, n: int, ties: bool) -> ItemCFBranch:
+    """A fitted item-CF state: random sparse neighbour lists (values rounded: ties)."""
+    density = min(1.0, float(rng.integers(2, 40)) / n)
+    similarity = sparse.random(n, n, density=density, format="csr", random_state=rng)
+    if ties:
+        similarity.data = np.round(similarity.data * 4) / 4
+    similarity.setdiag(0)
+    similarity.eliminate_zeros()
+    params = {"last_m": int(rng.integers(1, 25)), "recency_decay": float(rng.uniform(0.3, 1.0))}
+    return ItemCFBranch([f"i{n}" for n in range(n)], params, similarity)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_itemcf_matches_dense_scores_bit_for_bit(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    branch = random_itemcf(rng, int(rng.integers(3, 400)), ties=seed % 2 == 0)
+    for k in (1, 10, 50, 1000):
+        histories, excludes = random_requests(rng, branch.item_ids, 33, with_excludes=k != 10)
+        dense = (branch.user_weights(histories) @ branch.similarity).toarray()
+        got = branch.recommend_batch(histories, k, excludes, chunk_size=int(rng.integers(1, 40)))
+        for user, row in enumerate(got):
+            exclude = excludes[user] if excludes is not None else None
+            assert row == dense_top_k(branch, dense[user], k, exclude), (k, user)
+
+
+def test_itemcf_fitted_on_sequences_matches_dense_scores() -> None:
+    rng = np.random.default_rng(7)
+    items = [f"i{n}" for n in range(120)]
+    sequences = {
+        f"u{u}": [items[i] for i in rng.integers(0, 120, size=int(rng.integers(2, 40)))]
+        for u in range(80)
+    }
+    branch = ItemCFBranch.fit(sequences, items, window=5, last_m=8, top_neighbors=15)
+    histories, excludes = random_requests(rng, items, 50, with_excludes=True)
+    dense = (branch.user_weights(histories) @ branch.similarity).toarray()
+    got = branch.recommend_batch(histories, 20, excludes)
+    assert [len(r) for r in got] != [0] * len(got)
+    for user, row in enumerate(got):
+        assert row == dense_top_k(branch, dense[user], 20, excludes[user])
+
+
+def test_empty_batches_and_histories() -> None:
+    branch = random_itemcf(np.random.default_rng(3), 50, ties=False)
+    assert branch.recommend_batch([], 5) == []
+    assert branch.recommend_batch([[], ["unknown"]], 5, [None, {"unknown"}]) == [[], []]
+    popularity = PopularityBranch(["a", "b"], {}, np.array([0.0, 2.0]))
+    assert popularity.recommend_batch([[], ["b"]], 5, [None, {"b", "zzz"}]) == [[("b", 2.0)], []]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ann_matches_brute_force_over_the_catalog(seed: int) -> None:
+    """ANN serves through FAISS as before; its embeddings now are the index's own storage."""
+    rng = np.random.default_rng(200 + seed)
+    n, dim = int(rng.integers(20, 500)), int(rng.integers(2, 16))
+    items = [f"i{n}" for n in range(n)]
+    vectors = rng.normal(size=(n, dim)).astype(np.float32)
+    branch = AnnBranch.fit(items, vectors, last_m=5, half_life_items=2.0, half_life_days=None)
+    assert not branch.embeddings.flags.writeable
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.testing.assert_allclose(branch.embeddings, unit, rtol=1e-6)
+    histories, excludes = random_requests(rng, items, 24, with_excludes=True)
+    dense = branch.user_vectors(histories, [None] * len(histories)) @ unit.T
+    got = branch.recommend_batch(histories, 10, excludes)
+    for user, row in enumerate(got):
+        expected = dense_top_k(branch, dense[user], 10, excludes[user])
+        assert [i for i, _ in row] == [i for i, _ in expected]
+        assert [s for _, s in row] == pytest.approx([s for _, s in expected], abs=1e-5)
