@@ -9,7 +9,9 @@ new tokens at the same slots for all users. Which slots a new token attends to
 is a boolean visibility row (the prompt plus its own path: the slots of its
 ancestors and itself), passed to the model as a 4D mask, at position
 ``prompt_len + level``. No per-user objects: one call costs the same number of
-tensor operations whatever the batch size.
+tensor operations whatever the batch size. A Llama-architecture model runs through
+``lean_forward.LeanLlama`` (``decode.lean_forward``), any other through transformers
+with a ``SlotKV`` cache over the same slot tensors.
 
 The pending tokens of users whose suffixes differ much in length (a user back after a
 long session beside users with one new event; prompts without a cached prefix) are
