@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ from genrec.online.decoding.trie import ItemTrie
 from genrec.online.models.generative import _left_pad, decode_batched
 from genrec.online.models.presets import ModelPreset, build_draft, item_logits, pick_device
 from genrec.online.prompts import ItemTokens, history_prompt
+
+log = logging.getLogger(__name__)
 
 ALIGNED_VARIANTS = ("atspeed_s", "atspeed_r")
 
@@ -163,6 +166,7 @@ def make_teacher_data(
     """
     target.eval()
     executor = executor or LocalExecutor()
+    k = teacher_width(k, tree.n_items)
     device = next(target.parameters()).device
     # level_log_probs indexes the trie with tensors on the model's device
     if executor.remote:  # the workers get the target and the trie once, on the CPU
@@ -178,17 +182,54 @@ def make_teacher_data(
         found = list(pool.map(_teacher_beams, (([prompts[i] for i in rows], k)
                                                 for rows in search_pages),
                               desc="teacher beams", total=len(search_pages), **shown))  # fmt: skip
-        item_index = torch.cat([index for index, _tokens in found])
-        if (item_index < 0).any():
-            raise ValueError(f"teacher beams need at least k={k} items in the catalog")
-        inverse = torch.as_tensor(np.argsort(by_length))
-        beams = torch.cat([tokens for _index, tokens in found])[inverse]
+        sorted_prompts = [prompts[i] for i in by_length]
+        beams = _complete_beams(pool, sorted_prompts, found, k, shown)
+        beams = beams[torch.as_tensor(np.argsort(by_length))]
         starts = range(0, len(prompts), batch_size)
         pages = ((prompts[s : s + batch_size], beams[s : s + batch_size]) for s in starts)
         log_probs = list(pool.map(_teacher_log_probs, pages, desc="teacher logits",
                                   total=len(starts), **shown))  # fmt: skip
     truth = torch.as_tensor(np.stack([item_tokens.tokens_of(i) for i in truths]))
     return TeacherData(prompts, beams, truth, torch.cat(log_probs))
+
+
+def teacher_width(k: int, n_items: int) -> int:
+    """Teacher beams per prompt: ``k`` (the preset's ``teacher_beams``), or every item of a
+    catalog smaller than that (a beam search cannot keep more beams than there are items)."""
+    if n_items < k:
+        log.warning("teacher beams: the catalog has %d items, fewer than the preset's "
+                    "teacher_beams = %d; the drafts align on %d beams", n_items, k, n_items)  # fmt: skip
+    return max(1, min(k, n_items))
+
+
+def _complete_beams(
+    pool, prompts: list[list[int]], found: list, k: int, shown: dict
+) -> torch.Tensor:
+    """Beam tokens ``[len(prompts), k, depth]`` of the batched search's results ``found``;
+    a prompt that came back with missing beams is decoded again alone.
+
+    A batch of prompts of mixed lengths can lose every beam of a user while the same prompt
+    alone decodes (seen with trained ``tiny`` targets on a 500-item catalog: the batched
+    engine's fault, not the catalog's); such prompts are rare, so one batch each is cheap.
+    """
+    item_index = torch.cat([index for index, _tokens in found])
+    beams = torch.cat([tokens for _index, tokens in found])
+    missing = (item_index < 0).any(1).nonzero().flatten().tolist()
+    if not missing:
+        return beams
+    log.warning("teacher beams: %d of %d prompts lost beams in their batch; decoding them "
+                "one at a time", len(missing), len(prompts))  # fmt: skip
+    alone = pool.map(_teacher_beams, (([prompts[i]], k) for i in missing),
+                     desc="teacher beams (alone)", total=len(missing), **shown)  # fmt: skip
+    for i, (index, tokens) in zip(missing, alone, strict=True):
+        if (index < 0).any():
+            raise ValueError(
+                f"teacher beams: the target found fewer than {k} items for a training prompt "
+                f"even alone (its scores are not finite: a diverged target?); lower the "
+                f"preset's teacher_beams or check the target's training"
+            )
+        beams[i] = tokens[0]
+    return beams
 
 
 def _teacher_state(target, tree: ItemTrie) -> tuple:
