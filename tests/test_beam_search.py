@@ -11,7 +11,7 @@ from genrec.app.bench.decode import BenchModels, hf_generate_items, load_models
 from genrec.online.decoding.constraints import ItemConstraint, SeenItems, TrieLogitsProcessor
 from genrec.online.decoding.engine import BatchedDecode, batched_beam_search
 from genrec.online.decoding.trie import ItemTrie
-from genrec.online.decoding.trie_tables import TrieTables
+from genrec.online.decoding.trie_tables import DeadNodes, TrieTables
 from tests.helpers import DECODING_PRESETS
 
 BEAM_WIDTHS = [1, 3, 5, 10, 20]
@@ -88,12 +88,12 @@ def test_dead_nodes_are_the_subtrees_of_excluded_items_only(case):
     trie = case.trie
     tables = TrieTables.of(trie)
     rows = torch.arange(0, trie.n_items, 3)
-    dead = SeenItems(trie, [rows.tolist()]).dead_nodes()[0]
+    dead = SeenItems(trie, [rows.tolist()]).dead_nodes().dense()[0]
     assert torch.equal(dead[tables.item_offset : tables.sink].nonzero()[:, 0], rows)
     excluded = set(rows.tolist())
     for d in range(1, case.layout.depth):
         for node in tables.item_nodes[:, d].unique().tolist():
-            below = (tables.item_nodes[:, d] == node).nonzero()[:, 0].tolist()
+            below = (tables.item_nodes[:, d].long() == node).nonzero()[:, 0].tolist()
             assert bool(dead[node]) == (set(below) <= excluded)
 
 
@@ -141,8 +141,9 @@ class BannedFirstCode:
 
     def __init__(self, code: int, tables: TrieTables, n_users: int) -> None:
         self.code = code
-        self.dead = torch.zeros(n_users, tables.sink + 1, dtype=torch.bool)
-        self.dead[:, tables.child[0, code]] = True  # the engine's view: that level-1 node
+        node = tables.child_of(torch.zeros(n_users, dtype=torch.long), torch.full((n_users,), code))
+        # the engine's view: that level-1 node, for every user
+        self.dead = DeadNodes.of_pairs(torch.arange(n_users), node, n_users, tables.n_nodes)
 
     def applies(self, level: int, user: int) -> bool:
         return level == 0
@@ -152,7 +153,7 @@ class BannedFirstCode:
         blocked[:, self.code] = True
         return blocked
 
-    def dead_nodes(self) -> torch.Tensor:
+    def dead_nodes(self) -> DeadNodes:
         return self.dead
 
 

@@ -180,13 +180,13 @@ def test_seen_items_are_masked_as_generate_with_a_masking_processor(case: Case, 
 def test_dead_nodes_are_the_nodes_whose_items_are_all_excluded(case: Case):
     tables = TrieTables.of(case.trie)
     rows = [torch.arange(0, case.trie.n_items, 3).tolist(), [], [5]]
-    dead = tables.dead_nodes(rows)
+    dead = tables.dead_nodes(rows).dense()
     for user, user_rows in enumerate(rows):
         excluded = torch.zeros(case.trie.n_items, dtype=torch.bool)
         excluded[user_rows] = True
         expected = torch.zeros(tables.sink + 1, dtype=torch.bool)
         for d in range(1, case.layout.depth + 1):  # a node is dead when no item below is allowed
-            nodes = tables.item_nodes[:, d]
+            nodes = tables.item_nodes[:, d].long()
             alive = torch.zeros_like(expected).index_put_((nodes,), ~excluded, accumulate=True)
             expected[nodes.unique()] = ~alive[nodes.unique()]
         assert torch.equal(dead[user], expected)
@@ -199,7 +199,7 @@ def test_generate_s_processor_reads_the_engine_s_dead_node_table(case: Case):
     rows = [torch.arange(0, case.trie.n_items, 3).tolist(), [5]]
     seen = SeenItems(case.trie, rows)
     tables = TrieTables.of(case.trie)
-    assert torch.equal(seen.dead_nodes(), tables.dead_nodes(rows))
+    assert torch.equal(seen.dead_nodes().keys, tables.dead_nodes(rows).keys)
     constraint = ItemConstraint.for_users(case.trie, rows, 2)
     for user in range(2):
         for d in range(case.layout.depth):
@@ -209,7 +209,7 @@ def test_generate_s_processor_reads_the_engine_s_dead_node_table(case: Case):
             global_children = torch.where(
                 children >= 0, tables.offsets[d + 1] + children, tables.sink
             )
-            expected = seen.dead[user][global_children] & (children >= 0)
+            expected = seen.dead.dense()[user][global_children] & (children >= 0)
             if blocked is None:  # nothing excluded at this level
                 assert not expected.any()
             else:

@@ -97,22 +97,22 @@ def test_from_item_tokens_keeps_the_catalog_order():
     assert trie.item_index(torch.tensor(layout.encode(codes))).tolist() == [0, 1, 2]
 
 
-def test_trie_tables_child_codes_and_bias_are_the_allowed_table():
+def test_trie_tables_rows_are_the_allowed_table_narrowed():
     from genrec.online.decoding.trie_tables import TrieTables
 
     layout, items = random_catalog((16, 8, 2), n_items=30, seed=1)
     tables = TrieTables.of(ItemTrie(items, layout))
-    expected_bias = torch.where(tables.allowed, 0.0, -torch.inf)
-    assert torch.equal(tables.allowed_bias, expected_bias)
-    assert tables.child_codes[0] is None  # the root allows most codes: nothing to narrow
+    assert tables.narrow_fan(0) is None  # the root allows most codes: nothing to narrow
     narrowed = 0
-    for d, codes in enumerate(tables.child_codes):
-        if codes is None:
+    for d in range(layout.depth):
+        fan = tables.narrow_fan(d)
+        if fan is None:
             continue
         narrowed += 1
-        for node in range(tables.offsets[d], tables.offsets[d + 1]):
-            allowed = tables.allowed[node].nonzero()[:, 0].tolist()
-            row = codes[node].tolist()
-            assert row[: len(allowed)] == allowed  # every allowed code, ascending
-            assert not tables.allowed[node, row[len(allowed) :]].any()  # padding: never allowed
+        nodes = torch.arange(tables.offsets[d], tables.offsets[d + 1])
+        codes, _, exists = tables.rows(nodes, fan)
+        for node, row, real in zip(nodes, codes.tolist(), exists.tolist(), strict=True):
+            allowed = tables.allowed(node[None])[0].nonzero()[:, 0].tolist()
+            assert [c for c, r in zip(row, real, strict=True) if r] == allowed  # ascending
+            assert real == sorted(real, reverse=True)  # the node's own edges first
     assert narrowed

@@ -11,11 +11,11 @@ beam's prefix, in two stages, like a chain of transformers logits processors:
    so K beams still give K items.
 
 ``ItemConstraint`` composes a trie with any number of exclusions. The batched
-engine (``engine.py``: one [B, nodes] mask, ``dead_nodes``) and
+engine (``engine.py``: one set of dead nodes per batch, ``dead_nodes``) and
 ``TrieLogitsProcessor`` (transformers' ``generate``, the reference our search is
 checked against: per-level masks, ``masks``) both read it, and ``SeenItems``
-answers both from one table (``TrieTables.dead_nodes``), so the two paths
-cannot drift apart.
+answers both from one sparse set (``TrieTables.dead_nodes``: sorted keys, sized by
+the excluded items, not the catalog), so the two paths cannot drift apart.
 
 Example::
 
@@ -39,7 +39,7 @@ from typing import Protocol
 import torch
 
 from genrec.online.decoding.trie import ItemTrie
-from genrec.online.decoding.trie_tables import TrieTables
+from genrec.online.decoding.trie_tables import DeadNodes, TrieTables
 
 
 class Exclusion(Protocol):
@@ -53,8 +53,8 @@ class Exclusion(Protocol):
         """BoolTensor like ``children`` (``ItemTrie.child_nodes`` of length-``level`` prefixes)."""
         ...
 
-    def dead_nodes(self) -> torch.Tensor | None:
-        """BoolTensor[B, nodes] over ``TrieTables``' global node ids: the nodes user b must not
+    def dead_nodes(self) -> DeadNodes | None:
+        """``DeadNodes`` over ``TrieTables``' global node ids: the nodes user b must not
         reach (None: nothing excluded), what ``blocked`` answers for one level."""
         ...
 
@@ -63,8 +63,8 @@ class SeenItems:
     """Per user, the catalog rows it must not get, as the trie nodes with only those items below.
 
     ``exclude[b]``: catalog rows of user ``b`` (empty: nothing excluded). One
-    [B, nodes] table (``TrieTables.dead_nodes``) serves the batched engine whole
-    and ``generate``'s processor a level at a time.
+    sparse set (``TrieTables.dead_nodes``) serves the batched engine whole and
+    ``generate``'s processor a level at a time.
     """
 
     def __init__(self, trie: ItemTrie, exclude: Sequence[Sequence[int]]) -> None:
@@ -80,15 +80,15 @@ class SeenItems:
     def applies(self, level: int, user: int) -> bool:
         if self.dead is None:
             return False
-        return bool(self.dead[user, self.first[level + 1] : self.first[level + 2]].any())
+        return self.dead.any_between(user, self.first[level + 1], self.first[level + 2])
 
     def blocked(self, children: torch.Tensor, level: int, user: int) -> torch.Tensor:
         if self.dead is None:
             return torch.zeros_like(children, dtype=torch.bool)
         nodes = self.first[level + 1] + children.clamp(min=0)
-        return self.dead[user][nodes] & (children >= 0)
+        return self.dead.contains(nodes, user=user) & (children >= 0)
 
-    def dead_nodes(self) -> torch.Tensor | None:
+    def dead_nodes(self) -> DeadNodes | None:
         return self.dead
 
 
@@ -132,15 +132,15 @@ class ItemConstraint:
             blocked = blocked | exclusion.blocked(children, level, user)
         return children >= 0, blocked  # a child node exists exactly where the trie allows
 
-    def dead_nodes(self) -> torch.Tensor | None:
-        """BoolTensor[B, nodes]: the nodes each user must not reach, of every exclusion (None:
-        nothing excluded); what the batched engine masks after normalizing."""
-        masks = [m for m in (e.dead_nodes() for e in self.exclusions) if m is not None]
-        if not masks:
+    def dead_nodes(self) -> DeadNodes | None:
+        """The nodes each user must not reach, of every exclusion (their union; None: nothing
+        excluded); what the batched engine masks after normalizing."""
+        sets = [s for s in (e.dead_nodes() for e in self.exclusions) if s is not None]
+        if not sets:
             return None
-        dead = masks[0]
-        for mask in masks[1:]:
-            dead = dead | mask
+        dead = sets[0]
+        for other in sets[1:]:
+            dead = dead | other
         return dead
 
 

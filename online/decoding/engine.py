@@ -261,10 +261,17 @@ class ItemHead:
         Exclusions (``dead``: ``ItemConstraint.dead_nodes``) are masked AFTER normalizing,
         so every other item keeps the score it has without them.
         """
-        tables = self.tables
-        # adding 0 / -inf (TrieTables.allowed_bias) is the where(allowed, x, -inf) it replaces,
-        # several times cheaper on a CPU than a where over a boolean mask
-        bias = tables.allowed_bias[nodes]
+        tables, width = self.tables, self.tables.width
+        # each beam's node's edges (TrieTables.rows): F = the level's widest node, or every code
+        fan = tables.level_fan[level] if isinstance(level, int) else width
+        codes, children, exists = tables.rows(nodes, fan)
+        columns = torch.where(exists, codes.long(), width)  # column ``width``: nowhere
+        # adding 0 / -inf is the where(allowed, x, -inf) it replaces, several times cheaper
+        # on a CPU than a where over a boolean mask
+        bias = torch.full(
+            (*nodes.shape, width + 1), -math.inf, dtype=self.dtype, device=nodes.device
+        )
+        bias = bias.scatter_(2, columns, 0.0)[..., :width]
         if self.score_mode == "full":
             log_probs = torch.log_softmax(
                 F.linear(hidden, self.weight, self.bias).to(self.dtype), -1
@@ -277,8 +284,10 @@ class ItemHead:
             log_probs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
         if dead is None:
             return log_probs
-        blocked = dead.gather(1, tables.child[nodes].flatten(1)).view_as(log_probs)
-        return log_probs.masked_fill(blocked, -math.inf)
+        blocked = dead.contains(children) & exists  # one searchsorted in the dead keys
+        columns = torch.where(blocked, columns, width)
+        mask = torch.zeros(bias.shape[:-1] + (width + 1,), dtype=torch.bool, device=nodes.device)
+        return log_probs.masked_fill(mask.scatter_(2, columns, True)[..., :width], -math.inf)
 
     def _level_columns(self, values: torch.Tensor, level: Level, vocabulary: bool) -> torch.Tensor:
         """[B, W, C] at each user's level: columns of full-vocabulary log-probs (``vocabulary``),
@@ -314,7 +323,7 @@ def extend(
         token = tables.level_start[level.clamp(max=tables.depth - 1)][:, None] + codes
     token = torch.where(valid, token, tables.trie.layout.pad_token_id)
     tokens = set_level(base.tokens, level, token, in_place=True)
-    nodes = torch.where(valid, tables.child[base.nodes, codes], tables.sink)
+    nodes = torch.where(valid, tables.child_of(base.nodes, codes), tables.sink)
     return BeamBatch(scores, nodes, tokens, base.paths)
 
 
@@ -529,15 +538,19 @@ class BatchedDecode:
 
     def top_candidates(self, candidates: torch.Tensor, nodes: torch.Tensor, level: Level):
         """``top_k(candidates, k)`` (keys into [B, W*C]). At one level for every user, among the
-        codes each beam's node allows (``TrieTables.child_codes``; every other candidate is
-        -inf): a top-K over W x the level's widest node (10 x 16 on ML-100K's second level)
-        instead of W x C (10 x 256) values, where CPU topk cost most of a step's own work."""
-        codes = self.tables.child_codes[level] if isinstance(level, int) else None
-        if codes is None or nodes.shape[1] * codes.shape[1] < self.k:
+        codes each beam's node allows (``TrieTables.rows``, F = ``narrow_fan``; every other
+        candidate is -inf): a top-K over W x the level's widest node (10 x 16 on ML-100K's
+        second level) instead of W x C (10 x 256) values, where CPU topk cost most of a
+        step's own work."""
+        fan = self.tables.narrow_fan(level) if isinstance(level, int) else None
+        if fan is None or nodes.shape[1] * fan < self.k:
             return top_k(candidates, self.k)
+        codes, _, exists = self.tables.rows(nodes, fan)
         beam_start = torch.arange(nodes.shape[1], device=self.device)[:, None] * self.width
-        keys = (codes[nodes] + beam_start).flatten(1)
-        scores, index = candidates.gather(1, keys).topk(self.k, 1)
+        keys = (codes.long() + beam_start).flatten(1)
+        # past a node's own codes the row holds another node's: -inf, as a disallowed code is
+        scores = candidates.gather(1, keys).masked_fill(~exists.flatten(1), -math.inf)
+        scores, index = scores.topk(self.k, 1)
         return scores, keys.gather(1, index)
 
     def count(self, name: str, amount: torch.Tensor) -> None:
@@ -548,7 +561,7 @@ class BatchedDecode:
         one item below). The rest of such an ID is forced: log-prob 0 under ``"allowed"``
         scores; never under ``"full"``."""
         tables = self.tables
-        items = tables.item_below[beams.nodes]
+        items = tables.item_below[beams.nodes].long()
         valid = beams.scores > NEG_INF
         done = ((items >= 0) | ~valid).all(1) & (self.target_head.score_mode == "allowed")
         item_nodes = torch.where(valid & (items >= 0), tables.item_offset + items, tables.sink)
@@ -556,7 +569,7 @@ class BatchedDecode:
         tokens = torch.where(valid[..., None], tokens, beams.tokens)
         scores = beams.scores
         if self.dead is not None:  # only a one-item catalog's root can lead to an excluded item
-            scores = scores.masked_fill(self.dead.gather(1, item_nodes), NEG_INF)
+            scores = scores.masked_fill(self.dead.contains(item_nodes), NEG_INF)
         return BeamBatch(scores, item_nodes, tokens, beams.paths), done
 
     def _settled(self, beams: BeamBatch) -> torch.Tensor:

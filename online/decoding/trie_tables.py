@@ -1,29 +1,44 @@
-"""The trie as flat, padded tables for the batched engine (online decoding step).
+"""The trie as flat, compact tables for the batched engine (online decoding step).
 
 ``ItemTrie`` keeps one children table per level and finds a prefix's node by a
 ``searchsorted`` over packed keys. The batched engine (``engine.py``) decodes
 users that stand at different levels in the same step, so it wants every
-lookup to be one gather whatever the level: ``TrieTables`` numbers the nodes of
-all levels in one global range and pads every level's codes to the widest one.
+lookup to be a few batched ops whatever the level: ``TrieTables`` numbers the
+nodes of all levels in one global range and lists every node's children as one
+sorted edge list (CSR), whose size is the number of trie edges, not nodes x codes.
 
 Global node ids: level ``d``'s nodes are ``offsets[d] + i`` (``i`` as in
 ``ItemTrie.children[d - 1]``; node 0 is the root), complete items are
 ``item_offset + row`` (their catalog row), and ``sink`` is a node with no
-children that missing beams and finished users point at. Per global node:
+children that missing beams and finished users point at. Nodes below
+``item_offset`` are internal; items and the sink share one empty child row.
 
-- ``allowed[node, c]``: code ``c`` of the node's level may follow (False past
-  the level's code count, and everywhere for items and the sink); ``allowed_bias``:
-  the same as 0 / -inf, to mask scores by adding;
-- ``child[node, c]``: the node it leads to (``sink`` where not allowed);
-- ``settles[node]``: every child holds a single item (``ItemTrie.settles``);
-- ``item_below[node]``: the catalog row of the node's only item (-1 if several);
-- ``child_codes[d][node, j]``: the j-th code a level-d node allows (padded with codes it
-  does not), so that a top-K at one level need only look at allowed codes.
+Tables, and how they grow with the catalog (n items, E = edges = nodes - 1, about 2n on
+a 4-level layout whose last-but-one level already tells most items apart):
 
-``dead_nodes(exclude)`` turns per-user catalog rows to exclude into one
-BoolTensor[B, n_nodes] of the nodes all of whose items a user excludes: the one
-seen-item table (``constraints.SeenItems`` serves it to the engine and to
-``generate``'s logits processor).
+- ``edge_key`` [E] int64: ``parent * width + code`` of every edge, ascending (parent, then
+  code); ``child_of(nodes, codes)`` is one ``searchsorted`` in it;
+- ``edge_code`` [E + width] int16 and ``edge_child`` [E + width] int32: each edge's code and
+  child node (the last ``width`` entries pad, so a row read never runs off the end);
+- ``first_edge`` [internal + 1] int64 and ``fan`` [internal + 1] int16: where a node's
+  edges start and how many (the last row, the sink row, has none); ``rows(nodes, F)`` reads
+  F edges per node: the node's codes, children and which of the F exist;
+- per global node (1-D, n + internal + 1): ``settles`` (bool: every child holds a single
+  item, ``ItemTrie.settles``), ``item_below`` (int32: the catalog row of the node's only
+  item, -1 if several), ``items_under`` (int32);
+- ``item_nodes`` [n, depth + 1] int32: the global node of each item's first d codes;
+- ``level_fan[d]``: the widest level-d node's child count (``narrow_fan``: the F a top-K
+  at one level need look at); ``item_row``, ``level_start``: per level and code, constant.
+
+So every table is O(n) with a small constant (~40 bytes per item at depth 4) and nothing
+is padded to the widest level: the engine builds a step's [B, W, width] mask from the
+F edges of each beam's node (``rows``).
+
+``dead_nodes(exclude)`` turns per-user catalog rows to exclude into ``DeadNodes``: the
+sorted keys ``user * n_nodes + node`` of the nodes all of whose items a user excludes,
+O(excluded items x depth) whatever the catalog; membership is one ``searchsorted``
+(``DeadNodes.contains``). It is the one seen-item table (``constraints.SeenItems``
+serves it to the engine and to ``generate``'s logits processor).
 
 Example::
 
@@ -32,18 +47,19 @@ Example::
     >>> layout = TokenLayout.for_scratch_model((4, 4, 2))
     >>> trie = ItemTrie(torch.tensor(layout.encode([[0, 1, 0], [0, 2, 0], [3, 1, 1]])), layout)
     >>> tables = TrieTables.of(trie)
-    >>> root_children = tables.child[0][tables.allowed[0]]   # the level-1 nodes under <a_0>, <a_3>
-    >>> tables.allowed[root_children].int().tolist()
+    >>> root = torch.tensor([0])
+    >>> root_children = tables.child_of(root, torch.tensor([0, 3]))  # <a_0>, <a_3>
+    >>> tables.allowed(root_children).int().tolist()
     [[0, 1, 1, 0], [0, 1, 0, 0]]
-    >>> tables.dead_nodes([[0, 1], []])[0, root_children].tolist()  # items 0 and 1 are all of <a_0>
-    [True, False]
+    >>> tables.dead_nodes([[0, 1], []]).contains(root_children[None]).tolist()  # 0, 1: <a_0>
+    [[True, False]]
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -52,8 +68,63 @@ from genrec.online.decoding.trie import ItemTrie
 _TABLES: weakref.WeakKeyDictionary[ItemTrie, TrieTables] = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True)
+class DeadNodes:
+    """Per user, the global trie nodes it must not reach, as sorted unique int64 keys
+    ``user * n_nodes + node`` (size: excluded items x depth at most)."""
+
+    keys: torch.Tensor
+    n_users: int
+    n_nodes: int
+
+    @classmethod
+    def of_pairs(
+        cls, users: torch.Tensor, nodes: torch.Tensor, n_users: int, n_nodes: int
+    ) -> DeadNodes | None:
+        """The set of (users[i], nodes[i]) pairs (None when empty)."""
+        if users.numel() == 0:
+            return None
+        return cls(torch.unique(users.long() * n_nodes + nodes.long()), n_users, n_nodes)
+
+    def contains(self, nodes: torch.Tensor, user: int | None = None) -> torch.Tensor:
+        """BoolTensor like ``nodes``: node is dead for its user (row b of ``nodes`` is user b,
+        or every node is ``user``'s). One batched searchsorted, no host read."""
+        if user is None:
+            shape = (nodes.shape[0],) + (1,) * (nodes.ndim - 1)
+            users = torch.arange(nodes.shape[0], device=nodes.device).view(shape)
+            query = users * self.n_nodes + nodes.long()
+        else:
+            query = nodes.long() + user * self.n_nodes
+        flat = query.reshape(-1)
+        position = torch.searchsorted(self.keys, flat).clamp(max=len(self.keys) - 1)
+        return (self.keys[position] == flat).view(nodes.shape)
+
+    def any_between(self, user: int, first: int, end: int) -> bool:
+        """Whether ``user`` has a dead node in ``first .. end - 1`` (a host read)."""
+        bounds = torch.tensor([first, end], device=self.keys.device) + user * self.n_nodes
+        low, high = torch.searchsorted(self.keys, bounds).tolist()
+        return high > low
+
+    def __or__(self, other: DeadNodes) -> DeadNodes:
+        """The union (both over the same tables and users)."""
+        if self.shape != other.shape:
+            raise ValueError("dead-node sets of different tables or batches")
+        return DeadNodes(torch.unique(torch.cat([self.keys, other.keys])), *other.shape)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(users, nodes): the dense table's shape."""
+        return self.n_users, self.n_nodes
+
+    def dense(self) -> torch.Tensor:
+        """BoolTensor[B, n_nodes] (for checks on small tries: it grows with the catalog)."""
+        dense = torch.zeros(self.n_users * self.n_nodes, dtype=torch.bool, device=self.keys.device)
+        dense[self.keys] = True
+        return dense.view(self.n_users, self.n_nodes)
+
+
 class TrieTables:
-    """``trie``'s levels as global, padded lookup tables (module docstring)."""
+    """``trie``'s levels as global, compact lookup tables (module docstring)."""
 
     def __init__(self, trie: ItemTrie) -> None:
         layout, device = trie.layout, trie.device
@@ -63,57 +134,61 @@ class TrieTables:
         self.offsets = [sum(counts[:d]) for d in range(self.depth + 1)]
         self.item_offset = self.offsets[-1]
         self.sink = self.item_offset + trie.n_items
-        n_nodes = self.sink + 1
-        self.allowed = torch.zeros(n_nodes, self.width, dtype=torch.bool, device=device)
-        self.child = torch.full((n_nodes, self.width), self.sink, dtype=torch.long, device=device)
-        self.settles = torch.zeros(n_nodes, dtype=torch.bool, device=device)
-        self.items_under = torch.ones(n_nodes, dtype=torch.long, device=device)
-        self.items_under[-1] = 0
-        for d, (allowed, children) in enumerate(zip(trie.allowed, trie.children, strict=True)):
-            rows, codes = slice(self.offsets[d], self.offsets[d + 1]), layout.codes_per_level[d]
-            self.allowed[rows, :codes] = allowed
-            self.child[rows, :codes] = torch.where(
-                children >= 0, children + self.offsets[d + 1], self.sink
-            )
-            self.settles[rows] = trie.settles[d]
-            self.items_under[rows] = trie.items_under[d]
-        # item_nodes[row, d]: the global node of the item's first d codes (d = 0 .. depth)
-        path = [torch.zeros(trie.n_items, dtype=torch.long, device=device)]
-        codes = trie.item_tokens - torch.tensor(
-            [layout.level_start(d) for d in range(self.depth)], device=device
-        )
-        for d in range(self.depth):
-            path.append(self.child[path[-1], codes[:, d]])
-        self.item_nodes = torch.stack(path, 1)
-        # item_below[node]: the catalog row of the node's only item (-1 where it has several)
-        self.item_below = torch.full((n_nodes,), -1, dtype=torch.long, device=device)
-        rows = torch.arange(trie.n_items, device=device)
-        for d in range(self.depth + 1):
-            single = self.items_under[self.item_nodes[:, d]] == 1
-            self.item_below[self.item_nodes[single, d]] = rows[single]
+        self.n_nodes = self.sink + 1
+        self._edges(trie)
+        self._per_node(trie)
         # token id of (level, code); the item-token row of the output layer it is scored by
         starts = torch.tensor([layout.level_start(d) for d in range(self.depth)], device=device)
         self.level_start = starts
         code = torch.arange(self.width, device=device)
         self.item_row = (starts - layout.item_token_start)[:, None] + code
         self.item_row = self.item_row.clamp(max=layout.num_item_tokens - 1)  # pads: never allowed
-        self.child_codes = self._child_codes()
-        # 0 where allowed, -inf elsewhere: masking by adding costs a fraction of a where
-        self.allowed_bias = torch.zeros(self.allowed.shape, device=device)
-        self.allowed_bias.masked_fill_(~self.allowed, -math.inf)
+        self._steps = torch.arange(self.width, device=device)
 
-    def _child_codes(self) -> list[torch.Tensor | None]:
-        """Per level d: LongTensor[n_nodes, F_d], the codes each node allows, ascending, padded
-        with codes it does not (F_d: the level's widest node); None where F_d is over half the
-        padded width (the root's level: narrowing to its codes saves nothing)."""
-        # every node's allowed codes first, in code order, then the others
-        order = (~self.allowed).to(torch.uint8).argsort(dim=1, stable=True)
-        tables: list[torch.Tensor | None] = []
+    def _edges(self, trie: ItemTrie) -> None:
+        """The CSR edge list of every internal node (``edge_*``, ``first_edge``, ``fan``)."""
+        keys, children, fans = [], [], []
+        for d, table in enumerate(trie.children):
+            parent, code = (table >= 0).nonzero(as_tuple=True)  # row-major: parent, then code
+            keys.append((self.offsets[d] + parent) * self.width + code)
+            children.append(self.offsets[d + 1] + table[parent, code])  # items: item_offset + row
+            fans.append((table >= 0).sum(1))
+        self.edge_key = torch.cat(keys)
+        pad = torch.full((self.width,), self.sink, dtype=torch.long, device=trie.device)
+        child_dtype = torch.int32 if self.n_nodes < 2**31 else torch.long
+        self.edge_child = torch.cat([*children, pad]).to(child_dtype)
+        code_dtype = torch.int16 if self.width < 2**15 else torch.int32
+        codes = torch.cat([self.edge_key % self.width, pad.new_zeros(self.width)])
+        self.edge_code = codes.to(code_dtype)
+        fan = torch.cat([*fans, pad.new_zeros(1)])
+        self.first_edge = torch.cumsum(fan, 0) - fan  # the sink row: at the end, fan 0
+        self.fan = fan.to(code_dtype)
+        self.level_fan = [int(f.max()) if len(f) else 0 for f in fans]
+
+    def _per_node(self, trie: ItemTrie) -> None:
+        """``settles``, ``items_under``, ``item_nodes`` and ``item_below`` (1-D per node)."""
+        device, n_nodes = trie.device, self.n_nodes
+        self.settles = torch.zeros(n_nodes, dtype=torch.bool, device=device)
+        self.items_under = torch.ones(n_nodes, dtype=torch.int32, device=device)
+        self.items_under[-1] = 0
         for d in range(self.depth):
-            counts = self.allowed[self.offsets[d] : self.offsets[d + 1]].sum(1)
-            fan = int(counts.max()) if len(counts) else 0
-            tables.append(order[:, :fan].contiguous() if 0 < 2 * fan <= self.width else None)
-        return tables
+            rows = slice(self.offsets[d], self.offsets[d + 1])
+            self.settles[rows] = trie.settles[d]
+            self.items_under[rows] = trie.items_under[d].to(torch.int32)
+        # item_nodes[row, d]: the global node of the item's first d codes (d = 0 .. depth)
+        path = [torch.zeros(trie.n_items, dtype=torch.long, device=device)]
+        starts = [trie.layout.level_start(d) for d in range(self.depth)]
+        codes = trie.item_tokens - torch.tensor(starts, device=device)
+        for d in range(self.depth):
+            path.append(self.child_of(path[-1], codes[:, d]))
+        item_nodes = torch.stack(path, 1)
+        self.item_nodes = item_nodes.to(torch.int32 if n_nodes < 2**31 else torch.long)
+        # item_below[node]: the catalog row of the node's only item (-1 where it has several)
+        self.item_below = torch.full((n_nodes,), -1, dtype=torch.int32, device=device)
+        rows = torch.arange(trie.n_items, dtype=torch.int32, device=device)
+        for d in range(self.depth + 1):
+            single = self.items_under[item_nodes[:, d]] == 1
+            self.item_below[item_nodes[single, d]] = rows[single]
 
     @classmethod
     def of(cls, trie: ItemTrie) -> TrieTables:
@@ -123,16 +198,49 @@ class TrieTables:
             tables = _TABLES[trie] = cls(trie)
         return tables
 
+    def child_of(self, nodes: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """LongTensor like ``nodes``: the child by ``codes`` (``sink`` where there is none)."""
+        query = nodes.long() * self.width + codes.long()
+        position = torch.searchsorted(self.edge_key, query.reshape(-1)).view(query.shape)
+        position = position.clamp(max=len(self.edge_key) - 1)
+        found = self.edge_key[position] == query
+        return torch.where(found, self.edge_child[position].long(), self.sink)
+
+    def rows(
+        self, nodes: torch.Tensor, fan: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes, children, exists), each [*nodes.shape, fan]: the first ``fan`` edges of each
+        node, ascending by code; ``exists`` is False past the node's own child count (there the
+        others hold another node's edges: mask them). Items and the sink have none."""
+        row = nodes.clamp(max=self.item_offset)  # items and the sink: the empty sink row
+        index = self.first_edge[row][..., None] + self._steps[:fan]
+        exists = self._steps[:fan] < self.fan[row][..., None]
+        return self.edge_code[index], self.edge_child[index], exists
+
+    def narrow_fan(self, level: int) -> int | None:
+        """The F a top-K over level ``level``'s allowed codes reads per beam; None where it is
+        over half the padded width (the root's level: narrowing saves nothing)."""
+        fan = self.level_fan[level]
+        return fan if 0 < 2 * fan <= self.width else None
+
+    def allowed(self, nodes: torch.Tensor) -> torch.Tensor:
+        """BoolTensor[*nodes.shape, width]: the codes that may follow each node (a dense view,
+        built from its edges)."""
+        codes, _, exists = self.rows(nodes, self.width)
+        column = torch.where(exists, codes.long(), self.width)  # column ``width``: nowhere
+        mask = torch.zeros(*nodes.shape, self.width + 1, dtype=torch.bool, device=nodes.device)
+        return mask.scatter_(-1, column, True)[..., : self.width]
+
     def items(self, nodes: torch.Tensor) -> torch.Tensor:
         """Catalog row of each complete-item node, -1 for any other node."""
         rows = nodes - self.item_offset
         return torch.where((rows >= 0) & (nodes < self.sink), rows, torch.full_like(rows, -1))
 
-    def dead_nodes(self, exclude: Sequence[Sequence[int]] | None) -> torch.Tensor | None:
-        """BoolTensor[B, n_nodes]: node all of whose items user b excludes (None: nobody excludes)."""
+    def dead_nodes(self, exclude: Sequence[Sequence[int]] | None) -> DeadNodes | None:
+        """The nodes all of whose items user b excludes (None: nobody excludes anything)."""
         if exclude is None or not any(len(rows) for rows in exclude):
             return None
-        device, n_items = self.allowed.device, self.trie.n_items
+        device, n_items, n_nodes = self.edge_key.device, self.trie.n_items, self.n_nodes
         lengths = torch.tensor([len(rows) for rows in exclude], device=device)
         rows = torch.tensor([r for user_rows in exclude for r in user_rows], device=device)
         if int(rows.min()) < 0 or int(rows.max()) >= n_items:
@@ -140,13 +248,11 @@ class TrieTables:
         users = torch.repeat_interleave(torch.arange(len(exclude), device=device), lengths)
         pairs = torch.unique(users * n_items + rows)  # one (user, item) per excluded item
         users, rows = pairs // n_items, pairs % n_items
-        n_nodes = self.sink + 1
-        dead = torch.zeros(len(exclude), n_nodes, dtype=torch.bool, device=device)
+        dead = []
         for d in range(1, self.depth + 1):
             keys, counts = torch.unique(
                 users * n_nodes + self.item_nodes[rows, d], return_counts=True
             )
-            nodes = keys % n_nodes
-            full = counts == self.items_under[nodes]
-            dead[keys[full] // n_nodes, nodes[full]] = True
-        return dead
+            dead.append(keys[counts == self.items_under[keys % n_nodes]])
+        # levels' node ranges are disjoint: the union is a sort, not a unique
+        return DeadNodes(torch.cat(dead).sort().values, len(exclude), n_nodes)
