@@ -578,11 +578,7 @@ def embeddings_of_cooccurrence(
 ) -> np.ndarray:
     """``cooccurrence_embeddings`` of an already summed co-occurrence (items x items)."""
     n = cooccurrence.shape[0]
-    co = cooccurrence.astype(np.float64)
-    co = (co + co.T) / 2  # symmetric whatever the backward weight
-    counts = np.asarray(co.sum(axis=1)).ravel()
-    inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1e-12))
-    normalized = sparse.diags(inv_norm) @ co @ sparse.diags(inv_norm)
+    normalized, counts = symmetric_normalized(cooccurrence)
     dim = max(1, min(dim, n - 2))
     if n <= dense_max_items:
         from scipy.linalg import eigh
@@ -594,9 +590,23 @@ def embeddings_of_cooccurrence(
         # deterministic start vector, so the same data gives the same embeddings
         v0 = np.ones(n) / math.sqrt(n)
         values, vectors = eigsh(normalized, k=dim, which="LA", v0=v0)
-    embeddings = vectors * np.sqrt(np.maximum(values, 0.0))
-    embeddings[counts == 0] = 0.0
-    return embeddings.astype(np.float32)
+    vectors *= np.sqrt(np.maximum(values, 0.0))  # in place: no second items x dim float64
+    vectors[counts == 0] = 0.0
+    return vectors.astype(np.float32)
+
+
+def symmetric_normalized(cooccurrence: sparse.csr_matrix) -> tuple[sparse.csr_matrix, np.ndarray]:
+    """D^-1/2 (C + C.T) / 2 D^-1/2 with D the row sums of (C + C.T) / 2, scaled in place on
+    one symmetric copy (the same floats, in the same order, as the two diagonal products
+    it replaces, which each made a copy of the matrix), and D."""
+    co = cooccurrence.astype(np.float64, copy=False)
+    symmetric = (co + co.T).tocsr()  # symmetric whatever the backward weight
+    symmetric.data *= 0.5
+    counts = np.asarray(symmetric.sum(axis=1)).ravel()
+    inv_norm = 1.0 / np.sqrt(np.maximum(counts, 1e-12))
+    symmetric.data *= np.repeat(inv_norm, np.diff(symmetric.indptr))
+    symmetric.data *= inv_norm[symmetric.indices]
+    return symmetric, counts
 
 
 class _FlatIndexVectors:

@@ -1,11 +1,20 @@
 """Serving the recall branches without a row over the whole catalog (issue #19) gives the
-results of the dense computation they replaced: same items, order, scores and ties."""
+results of the dense computation they replaced: same items, order, scores and ties; the
+ANN fit's in-place normalization gives the floats of the products it replaced."""
 
 import numpy as np
 import pytest
 from scipy import sparse
 
-from genrec.online.branches import AnnBranch, ItemCFBranch, PopularityBranch, RecallBranch
+from genrec.online.branches import (
+    AnnBranch,
+    ItemCFBranch,
+    PopularityBranch,
+    RecallBranch,
+    cooccurrence_matrix,
+    embeddings_of_cooccurrence,
+    symmetric_normalized,
+)
 
 
 def dense_top_k(branch: RecallBranch, scores: np.ndarray, k: int, exclude) -> list:
@@ -117,3 +126,20 @@ def test_ann_matches_brute_force_over_the_catalog(seed: int) -> None:
         expected = dense_top_k(branch, dense[user], 10, excludes[user])
         assert [i for i, _ in row] == [i for i, _ in expected]
         assert [s for _, s in row] == pytest.approx([s for _, s in expected], abs=1e-5)
+
+
+def test_symmetric_normalization_in_place_equals_the_diagonal_products() -> None:
+    """The ANN fit scales one symmetric copy in place; the floats are those of
+    diag(1/sqrt(d)) @ (C + C.T) / 2 @ diag(1/sqrt(d)) it replaced, bit for bit."""
+    rng = np.random.default_rng(11)
+    sequences = [rng.integers(0, 300, size=int(rng.integers(2, 40))) for _ in range(100)]
+    co = cooccurrence_matrix(sequences, 300, window=6, backward_weight=0.3)
+    reference = (co.astype(np.float64) + co.T) / 2
+    counts = np.asarray(reference.sum(axis=1)).ravel()
+    inv = 1.0 / np.sqrt(np.maximum(counts, 1e-12))
+    reference = (sparse.diags(inv) @ reference @ sparse.diags(inv)).toarray()
+    normalized, got_counts = symmetric_normalized(co)
+    assert np.array_equal(got_counts, counts)
+    assert np.array_equal(normalized.toarray(), reference)
+    embeddings = embeddings_of_cooccurrence(co, dim=8, dense_max_items=0)  # the eigsh path
+    assert embeddings.dtype == np.float32 and embeddings.shape == (300, 8)

@@ -5,7 +5,8 @@ item-CF neighbour lists of ``--neighbors`` random items per item (random similar
 FAISS flat index of random unit vectors; then times ``recommend_batch`` for batches of
 ``--batch`` users (histories of 10-50 random items, seen items excluded, ``--k`` deep).
 With ``--old FILE`` (a copy of an earlier ``online/branches.py``) the same state is served by
-that code too, in the same process, its results checked equal to the new ones.
+that code too, in the same process, its results checked equal to the new ones. With
+``--ivf-nlist N`` the ANN branch is also timed over an IVF index of the same vectors.
 
 Example::
 
@@ -123,7 +124,38 @@ def bench_size(n: int, args, old: ModuleType | None) -> list[dict]:
             row["same_results"] = same(results[0], results[1], exact=name != "ann")
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.ivf_nlist and n > args.ivf_nlist * 39:
+        rows.append(ivf_row(fitted["ann"], batches, args, rng))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def ivf_row(flat, batches, args, rng) -> dict:
+    """The ANN branch over an IVF index of the same vectors (what a large catalog could
+    serve; approximate): ms per batch beside the flat index, and the share of the flat
+    index's items it returns."""
+    import faiss
+
+    n, dim = flat.embeddings.shape
+    started = time.perf_counter()
+    index = faiss.IndexIVFFlat(
+        faiss.IndexFlatIP(dim), dim, args.ivf_nlist, faiss.METRIC_INNER_PRODUCT
+    )
+    sample = np.sort(rng.choice(n, size=min(n, 39 * args.ivf_nlist), replace=False))
+    index.train(np.ascontiguousarray(flat.embeddings[sample]))
+    index.add(flat.embeddings)
+    index.nprobe = args.ivf_nprobe
+    build_s = time.perf_counter() - started
+    ivf = object.__new__(type(flat))
+    ivf.__dict__.update(flat.__dict__, index=index)
+    ms, results = timed([flat, ivf], batches, args.k)
+    found = [len({i for i, _ in a} & {i for i, _ in b}) / max(1, len(a))
+             for a, b in zip(results[0], results[1], strict=True)]  # fmt: skip
+    return {
+        "items": n, "branch": f"ann-ivf{args.ivf_nlist}-nprobe{args.ivf_nprobe}",
+        "build_s": round(build_s, 1), "flat_ms": round(ms[0], 2), "new_ms": round(ms[1], 2),
+        "recall_of_flat": round(float(np.mean(found)), 3),
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=256)  # recall.ann_dim
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ivf-nlist", type=int, default=0, help="also time an IVF ANN index")
+    parser.add_argument("--ivf-nprobe", type=int, default=16)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     old = load_old(args.old) if args.old else None
