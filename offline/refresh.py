@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import os
 import threading
 import time
 import traceback
@@ -126,12 +127,27 @@ def load_models(settings, engine: Engine):
 
     from genrec.online.models.store import load_active_models
 
-    torch.set_num_threads(settings.refresh.torch_threads)
+    torch.set_num_threads(step_threads(settings.refresh.torch_threads))
     models = load_active_models(settings, engine)
     if torch.cuda.is_available():
         models.target.to("cuda")
     models.target.eval()
     return models
+
+
+def step_threads(configured: int, cpus: int | None = None) -> int:
+    """Intra-op torch threads of the refresh's model steps: ``refresh.torch_threads``, but
+    never every CPU this process may use (``cpus``; default its affinity set).
+
+    Each torch op ends at a barrier of all its threads, which spin while they wait. With
+    every CPU claimed, any other runnable process (ingest, serving, the store's writes)
+    deschedules one of them and the op waits a time slice: on a 2-core host under load the
+    prefix-KV step ran 6x slower with 2 threads than with 1, at any catalog size
+    (docs/scale.md). One CPU is left to the rest of the host.
+    """
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(int(configured), (cpus or 1) - 1))
 
 
 def has_active_model(engine: Engine) -> bool:
