@@ -122,6 +122,29 @@ def test_sparse_dead_nodes_equal_the_dense_definition(tables: TrieTables, seed: 
             assert dead.any_between(user, first, end) == bool(expected[user, first:end].any())
 
 
+def test_dead_children_block_the_codes_that_lead_to_dead_nodes(tables: TrieTables):
+    generator = torch.Generator().manual_seed(7)
+    n_items, child = tables.trie.n_items, dense_child(tables.trie, tables)
+    exclude = [
+        (torch.rand(n_items, generator=generator) < share).nonzero()[:, 0].tolist()
+        for share in (0.2, 0.0, 0.6, 1.0)
+    ]
+    dead = tables.dead_nodes(exclude)
+    expected_dead = dense_dead(tables, exclude)
+    by_parent = tables.dead_children(dead)
+    nodes = torch.randint(0, tables.n_nodes, (4, 9), generator=generator)  # any node, any level
+    children = child[nodes]  # [B, W, width]
+    expected = expected_dead.gather(1, children.flatten(1)).view_as(children)
+    expected &= children != tables.sink
+    assert torch.equal(by_parent.blocked(nodes, tables.width), expected)
+    for d in range(tables.depth):  # a level's own fan is enough for its nodes
+        level = nodes.clamp(tables.offsets[d], tables.offsets[d + 1] - 1)
+        got = by_parent.blocked(level, tables.level_fan[d])
+        assert torch.equal(got, expected_dead.gather(1, child[level].flatten(1)).view_as(got))
+    root_only = DeadNodes.of_pairs(torch.tensor([0]), torch.tensor([0]), 1, tables.n_nodes)
+    assert tables.dead_children(root_only) is None
+
+
 def test_dead_node_sets_compose_as_a_union(tables: TrieTables):
     n_items = tables.trie.n_items
     one = tables.dead_nodes([[0, 1], [], list(range(0, n_items, 2))])

@@ -258,13 +258,13 @@ class ItemHead:
     ) -> torch.Tensor:
         """[B, W, C]: log-prob of each code after each beam; -inf where invalid or excluded.
 
-        Exclusions (``dead``: ``ItemConstraint.dead_nodes``) are masked AFTER normalizing,
-        so every other item keeps the score it has without them.
+        Exclusions (``dead``: ``ItemConstraint.dead_nodes`` as ``TrieTables.dead_children``)
+        are masked AFTER normalizing, so every other item keeps the score it has without them.
         """
         tables, width = self.tables, self.tables.width
         # each beam's node's edges (TrieTables.rows): F = the level's widest node, or every code
         fan = tables.level_fan[level] if isinstance(level, int) else width
-        codes, children, exists = tables.rows(nodes, fan)
+        codes, _, exists = tables.rows(nodes, fan)
         columns = torch.where(exists, codes.long(), width)  # column ``width``: nowhere
         # adding 0 / -inf is the where(allowed, x, -inf) it replaces, several times cheaper
         # on a CPU than a where over a boolean mask
@@ -284,10 +284,7 @@ class ItemHead:
             log_probs.nan_to_num_(nan=NEG_INF, posinf=math.inf, neginf=NEG_INF)
         if dead is None:
             return log_probs
-        blocked = dead.contains(children) & exists  # one searchsorted in the dead keys
-        columns = torch.where(blocked, columns, width)
-        mask = torch.zeros(bias.shape[:-1] + (width + 1,), dtype=torch.bool, device=nodes.device)
-        return log_probs.masked_fill(mask.scatter_(2, columns, True)[..., :width], -math.inf)
+        return log_probs.masked_fill(dead.blocked(nodes, fan), -math.inf)
 
     def _level_columns(self, values: torch.Tensor, level: Level, vocabulary: bool) -> torch.Tensor:
         """[B, W, C] at each user's level: columns of full-vocabulary log-probs (``vocabulary``),
@@ -434,6 +431,8 @@ class BatchedDecode:
         # (instead of ``exclude``): any composed one
         constraint = constraint or ItemConstraint.for_users(tables.trie, exclude, self.n_users)
         self.dead = constraint.dead_nodes()
+        # the same nodes keyed by parent: a step's mask asks once per beam (DeadChildren)
+        self.dead_children = None if self.dead is None else tables.dead_children(self.dead)
         self.draft = self.draft_head = None
         if self.gamma:
             redrafted = self.depth * sum(self.widths[1:-1])
@@ -532,7 +531,7 @@ class BatchedDecode:
         """(candidates [B, K*C]: scores of current beam x code, the target's top-K scores, keys)
         from the target's hidden states at ``rows`` (one per current beam)."""
         at_rows = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))
-        log_probs = self.target_head.log_probs(at_rows, current.nodes, level, self.dead)
+        log_probs = self.target_head.log_probs(at_rows, current.nodes, level, self.dead_children)
         candidates = (current.scores[..., None] + log_probs).flatten(1)
         return (candidates, *self.top_candidates(candidates, current.nodes, level))
 
@@ -593,7 +592,7 @@ class BatchedDecode:
             j += 1
             level = levels + j - 1  # the level D_j decides
             hidden = self.draft_call(frontier, levels, j)
-            log_probs = self.draft_head.log_probs(hidden, frontier.nodes, level, self.dead)
+            log_probs = self.draft_head.log_probs(hidden, frontier.nodes, level, self.dead_children)
             candidates = (frontier.scores[..., None] + log_probs).flatten(1)
             scores, keys = candidates.topk(self.widths[j], 1)
             drafting = lengths >= j

@@ -20,6 +20,7 @@ a 4-level layout whose last-but-one level already tells most items apart):
   code); ``child_of(nodes, codes)`` is one ``searchsorted`` in it;
 - ``edge_code`` [E + width] int16 and ``edge_child`` [E + width] int32: each edge's code and
   child node (the last ``width`` entries pad, so a row read never runs off the end);
+- ``edge_of_item`` [n] int32: each item's edge (an internal node n's is n - 1);
 - ``first_edge`` [internal + 1] int64 and ``fan`` [internal + 1] int16: where a node's
   edges start and how many (the last row, the sink row, has none); ``rows(nodes, F)`` reads
   F edges per node: the node's codes, children and which of the F exist;
@@ -37,7 +38,9 @@ F edges of each beam's node (``rows``).
 ``dead_nodes(exclude)`` turns per-user catalog rows to exclude into ``DeadNodes``: the
 sorted keys ``user * n_nodes + node`` of the nodes all of whose items a user excludes,
 O(excluded items x depth) whatever the catalog; membership is one ``searchsorted``
-(``DeadNodes.contains``). It is the one seen-item table (``constraints.SeenItems``
+(``DeadNodes.contains``); ``dead_children`` re-keys it by parent and code, for the engine's
+per-step mask (``DeadChildren.blocked``: one search per beam, not per child). It is the
+one seen-item table (``constraints.SeenItems``
 serves it to the engine and to ``generate``'s logits processor).
 
 Example::
@@ -123,6 +126,32 @@ class DeadNodes:
         return dense.view(self.n_users, self.n_nodes)
 
 
+@dataclass(frozen=True)
+class DeadChildren:
+    """``DeadNodes`` keyed by where they hang: sorted int64 ``user * stride + edge_key`` of
+    each dead node's edge (``stride`` = n_nodes x width), so that a step asks once per beam,
+    not once per child, which of the beam's codes lead to dead nodes."""
+
+    keys: torch.Tensor
+    stride: int
+    width: int
+
+    def blocked(self, nodes: torch.Tensor, fan: int) -> torch.Tensor:
+        """BoolTensor[B, W, width]: code c after beam (b, w) leads to a node user b must not
+        reach; ``fan``: at most that many children per node (the level's ``level_fan``). Two
+        searchsorteds over the B x W beams, a gather and a scatter; no host read."""
+        users = torch.arange(nodes.shape[0], device=nodes.device)[:, None]
+        base = users * self.stride + nodes.long() * self.width  # the keys of node's edges
+        low = torch.searchsorted(self.keys, base.flatten()).view(base.shape)
+        high = torch.searchsorted(self.keys, (base + self.width).flatten()).view(base.shape)
+        steps = torch.arange(fan, device=nodes.device)
+        index = (low[..., None] + steps).clamp(max=len(self.keys) - 1)
+        real = steps < (high - low)[..., None]
+        columns = torch.where(real, self.keys[index] - base[..., None], self.width)
+        mask = torch.zeros(*nodes.shape, self.width + 1, dtype=torch.bool, device=nodes.device)
+        return mask.scatter_(2, columns, True)[..., : self.width]
+
+
 class TrieTables:
     """``trie``'s levels as global, compact lookup tables (module docstring)."""
 
@@ -164,6 +193,11 @@ class TrieTables:
         self.first_edge = torch.cumsum(fan, 0) - fan  # the sink row: at the end, fan 0
         self.fan = fan.to(code_dtype)
         self.level_fan = [int(f.max()) if len(f) else 0 for f in fans]
+        # edges are in (parent, code) order, and so are the nodes of every level below the
+        # root, except the items (catalog order): node n's edge is n - 1, an item's its leaf's
+        leaf_rank = torch.empty_like(trie.item_of_leaf)
+        leaf_rank[trie.item_of_leaf] = torch.arange(trie.n_items, device=trie.device)
+        self.edge_of_item = (self.item_offset - 1 + leaf_rank).to(child_dtype)
 
     def _per_node(self, trie: ItemTrie) -> None:
         """``settles``, ``items_under``, ``item_nodes`` and ``item_below`` (1-D per node)."""
@@ -230,6 +264,20 @@ class TrieTables:
         column = torch.where(exists, codes.long(), self.width)  # column ``width``: nowhere
         mask = torch.zeros(*nodes.shape, self.width + 1, dtype=torch.bool, device=nodes.device)
         return mask.scatter_(-1, column, True)[..., : self.width]
+
+    def dead_children(self, dead: DeadNodes) -> DeadChildren | None:
+        """``dead`` keyed by parent and code (``DeadChildren``; the root and the sink, which
+        hang nowhere, are left out; None if nothing else is dead)."""
+        users, nodes = dead.keys // self.n_nodes, dead.keys % self.n_nodes
+        keep = (nodes > 0) & (nodes < self.sink)
+        users, nodes = users[keep], nodes[keep]
+        if not len(nodes):
+            return None
+        item = (nodes - self.item_offset).clamp(min=0, max=self.trie.n_items - 1)
+        edge = torch.where(nodes < self.item_offset, nodes - 1, self.edge_of_item[item].long())
+        stride = self.n_nodes * self.width
+        keys = (users * stride + self.edge_key[edge]).sort().values
+        return DeadChildren(keys, stride, self.width)
 
     def items(self, nodes: torch.Tensor) -> torch.Tensor:
         """Catalog row of each complete-item node, -1 for any other node."""
