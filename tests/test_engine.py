@@ -403,6 +403,20 @@ def test_prefill_in_length_ranges_equals_one_padded_call(monkeypatch, vectors: b
     assert len(pending_chunks([len(s) + 1 for s in suffixes])) > 2
     for chunked, reference in zip(decode_all(), padded, strict=True):
         assert_same(chunked, reference, atol=1e-9)
+    # KV storage reused from an earlier decode holds anything, inf and NaN included: the
+    # slots a narrower range never writes must not reach the scores (they did: 0 x inf)
+    monkeypatch.setattr(slot_cache, "BUFFERS", PoisonedBuffers())
+    for chunked, reference in zip(decode_all(), padded, strict=True):
+        assert_same(chunked, reference, atol=1e-9)
+
+
+class PoisonedBuffers(slot_cache.Buffers):
+    """Storage whose every element is NaN or inf when taken (what reuse may hand out)."""
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buffer = torch.full((numel,), float("nan"), dtype=dtype, device=device)
+        buffer[::2] = float("inf")
+        return buffer
 
 
 @pytest.mark.parametrize("vectors", [False, True])

@@ -141,7 +141,8 @@ class SlotModel:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        # Never read before written, except the prefix region (copied in, zero-padded)
+        # Never read before written, except the prefix region (copied in, zero-padded) and
+        # the pending slots a narrower prefill range leaves (zeroed in _prefill_chunks)
         shape = (self.n_users, heads, self.capacity, head_dim)
         n_layers = config.num_hidden_layers
         self.storage = BUFFERS.take(2 * n_layers * math.prod(shape), self.dtype, self.device)
@@ -333,6 +334,12 @@ class SlotModel:
                                 start)  # fmt: skip
             column = self.pending_tips[rows, None, None].expand(-1, 1, hidden.shape[2])
             tips.append(hidden.gather(1, column))
+            if width < self.pending_width:
+                # Slots past a narrower range's width are masked for its rows, but attention
+                # still multiplies their zero weights by their values: left as the reused
+                # storage's old contents (inf, NaN), 0 x inf would turn its users' scores
+                # into NaN and lose all their beams.
+                self.layer_kv[:, rows, :, start + width : start + self.pending_width].zero_()
         self.cursor = start + self.pending_width
         return torch.cat(tips, 0)
 
