@@ -208,9 +208,11 @@ def _complete_beams(
     """Beam tokens ``[len(prompts), k, depth]`` of the batched search's results ``found``;
     a prompt that came back with missing beams is decoded again alone.
 
-    A batch of prompts of mixed lengths can lose every beam of a user while the same prompt
-    alone decodes (seen with trained ``tiny`` targets on a 500-item catalog: the batched
-    engine's fault, not the catalog's); such prompts are rare, so one batch each is cheap.
+    A guard, not the normal path: a batch of mixed lengths once lost every beam of some
+    users whose prompts decode alone (a 500-item catalog, trained ``tiny`` target). The
+    cause was the engine's ranged prefill leaving stale KV storage (inf, NaN) in slots it
+    masked, fixed in ``slot_cache``; should a batch lose beams again, the warning says so
+    and those prompts, rare by then, cost one batch each.
     """
     item_index = torch.cat([index for index, _tokens in found])
     beams = torch.cat([tokens for _index, tokens in found])
