@@ -174,6 +174,8 @@ def _ann_branch(item_ids: Sequence[str], embeddings: np.ndarray, recall, source:
         half_life_items=recall.ann_half_life_items,
         half_life_days=recall.ann_half_life_days,
         source=source,
+        exact_max_items=recall.ann_exact_max_items,
+        nprobe=recall.ann_nprobe,
     )
 
 

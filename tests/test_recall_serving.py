@@ -143,3 +143,31 @@ def test_symmetric_normalization_in_place_equals_the_diagonal_products() -> None
     assert np.array_equal(normalized.toarray(), reference)
     embeddings = embeddings_of_cooccurrence(co, dim=8, dense_max_items=0)  # the eigsh path
     assert embeddings.dtype == np.float32 and embeddings.shape == (300, 8)
+
+
+def test_ann_above_exact_max_items_searches_a_saved_ivf_index_that_finds_the_flat_top_k(
+    tmp_path,
+):
+    """A catalog above ``exact_max_items`` gets an IVF index at fit, saved with the branch
+    (FAISS bytes in the npz, no pickle) and read back; on clustered vectors (what
+    co-occurrence embeddings are like) its top-k is the flat index's."""
+    from genrec.online.branches import load_branch
+
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((20, 16)).astype(np.float32)
+    vectors = centers[rng.integers(0, 20, 2000)] + 0.05 * rng.standard_normal((2000, 16))
+    items = [f"i{n}" for n in range(2000)]
+    histories = [[items[j] for j in rng.integers(0, 2000, 5)] for _ in range(40)]
+    flat = AnnBranch.fit(items, vectors.astype(np.float32))
+    ivf = AnnBranch.fit(items, vectors.astype(np.float32), exact_max_items=1000, nprobe=8)
+    assert flat.ivf is None and ivf.params["nlist"] == int(4 * np.sqrt(2000))
+    reopened = load_branch(ivf.save(tmp_path / "ann"))
+    assert reopened.index.nprobe == 8 and reopened.index.ntotal == 2000
+    expected = flat.recommend_batch(histories, 10, excludes=[h[:2] for h in histories])
+    for branch in (ivf, reopened):
+        got = branch.recommend_batch(histories, 10, excludes=[h[:2] for h in histories])
+        found = [
+            len({i for i, _ in g} & {i for i, _ in e}) for g, e in zip(got, expected, strict=True)
+        ]
+        assert sum(found) >= 0.95 * 10 * len(histories)
+        assert all(not set(h[:2]) & {i for i, _ in g} for g, h in zip(got, histories, strict=True))
