@@ -434,7 +434,7 @@ class RecallSettings(BaseModel):
     # 1.8 s per batch of 32 at 1M items). On the synthetic workload's 50k co-occurrence
     # embeddings nprobe 32 found 100% of the flat top-50 in a tenth of the time
     # (docs/scale.md). None: always exact. ML-100K (1,682 items) stays exact.
-    ann_exact_max_items: int | None = Field(default=50_000, ge=1)
+    ann_exact_max_items: int | None = Field(default=20_000, ge=1)
     ann_nprobe: int = Field(default=32, ge=1)
     merge_method: Literal["rrf", "quota"] = "rrf"
     # Tuned on ML-100K validation (genrec eval --tune-merge grid) with the `small` target
