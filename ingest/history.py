@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from sqlalchemy import ColumnElement, Engine, Select, and_, func, or_, select, true
 
@@ -41,10 +41,10 @@ from genrec.schemas.tables import events, items, users
 IN_CHUNK = 500  # user ids per IN (...) list: far below every database's parameter limit
 
 
-# slots: the offline readers hold every stored event at once, and a slotted event with
-# its row costs no more memory than the three-field one without slots did.
-@dataclass(frozen=True, slots=True)
-class HistoryEvent:
+# A named tuple, not a dataclass: the online worker builds one per stored event of every
+# request (hundreds a user), and ``_grouped`` builds a tuple in a fifth of the time of a
+# frozen slotted dataclass (0.4 vs 1.9 us here), for 8 bytes more an event (72 vs 64).
+class HistoryEvent(NamedTuple):
     """One event of a user's history: a stored one, or (online) one only held from Kafka."""
 
     item_id: str
@@ -241,12 +241,15 @@ def _grouped(
     """The rows of a ``_history_query`` per user, only ``wanted`` users when given, each cut
     to the newest ``newest`` events when given."""
     histories: dict[str, list[HistoryEvent]] = {}
+    new_tuple = tuple.__new__  # what HistoryEvent(...) ends in, without its argument parsing
     with engine.connect() as connection:
-        for user_id, item_id, ts_ms, event_id, row in connection.execute(query):
-            if wanted is not None and user_id not in wanted:
-                continue
-            history = histories.setdefault(user_id, [])
-            history.append(HistoryEvent(item_id, ts_ms, event_id, row))
+        # rows come grouped by user: one dict lookup per user, not per row
+        user_id, history = None, []
+        for user, item_id, ts_ms, event_id, row in connection.execute(query):
+            if user != user_id:
+                user_id = user
+                history = histories.setdefault(user, []) if wanted is None or user in wanted else []
+            history.append(new_tuple(HistoryEvent, (item_id, ts_ms, event_id, row)))
             if newest is not None and len(history) == 2 * newest:
                 del history[:newest]  # a long history never holds more than 2 * newest
     if newest is not None:

@@ -123,6 +123,19 @@ class RecallBranch:
             (self.item_index[i] for i in history if i in self.item_index), dtype=np.int64
         )
 
+    def recent_known(self, history: Sequence[str], m: int) -> list[int]:
+        """Where in ``history`` its last ``m`` known items are, oldest first: a walk back from
+        the end that stops at ``m``, so its cost does not grow with the history (served
+        histories run to ``online.max_history_events``, branches read 10-20 of them)."""
+        found, index = [], self.item_index
+        for i in range(len(history) - 1, -1, -1):
+            if history[i] in index:
+                found.append(i)
+                if len(found) == m:
+                    break
+        found.reverse()
+        return found
+
     def save(self, folder: str | Path) -> Path:
         """Write ``arrays.npz`` then ``manifest.json`` (last, so a complete folder has one)."""
         folder = Path(folder)
@@ -221,13 +234,20 @@ class PopularityBranch(RecallBranch):
 
     def rank_batch(self, histories, k, excludes, timestamps_ms) -> list[list[Recommendation]]:
         """The ranked list, skipping each user's excluded items: O(k + excluded) per user."""
-        results, index = [], self.item_index
+        results, item_ids = [], self.item_ids
         for exclude in excludes:
-            excluded = {index[i] for i in exclude if i in index} if exclude else set()
-            head = self.ranked[: k + len(excluded)].tolist()
-            kept = [i for i in head if i not in excluded][:k]
+            exclude = exclude if isinstance(exclude, set | frozenset) else set(exclude or ())
+            # the head holds k items that are not excluded; they are found checking ids
+            # against the exclusion, not mapping every excluded id to a position
+            head = self.ranked[: k + len(exclude)].tolist()
+            kept = []
+            for i in head:
+                if item_ids[i] not in exclude:
+                    kept.append(i)
+                    if len(kept) == k:
+                        break
             scores = self.scores[kept].tolist()
-            results.append([(self.item_ids[i], s) for i, s in zip(kept, scores, strict=True)])
+            results.append([(item_ids[i], s) for i, s in zip(kept, scores, strict=True)])
         return results
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -470,7 +490,7 @@ class ItemCFBranch(RecallBranch):
         last_m, decay = self.params["last_m"], self.params["recency_decay"]
         rows, cols, vals = [], [], []
         for row, history in enumerate(histories):
-            recent = self.indices(history)[-last_m:]
+            recent = self.indices([history[i] for i in self.recent_known(history, last_m)])
             rows.append(np.full(len(recent), row))
             cols.append(recent)
             vals.append(decay ** np.arange(len(recent) - 1, -1, -1, dtype=np.float64))
@@ -702,8 +722,7 @@ class AnnBranch(RecallBranch):
         """Decayed mean of the embeddings of the last ``last_m`` known history items."""
         vectors = np.zeros((len(histories), self.embeddings.shape[1]), dtype=np.float32)
         for row, (history, stamps) in enumerate(zip(histories, timestamps_ms, strict=True)):
-            known = [i for i, item in enumerate(history) if item in self.item_index]
-            known = known[-self.params["last_m"] :]
+            known = self.recent_known(history, self.params["last_m"])
             if not known:
                 continue
             steps_back = np.asarray([len(history) - 1 - i for i in known], dtype=np.float64)
@@ -729,13 +748,22 @@ class AnnBranch(RecallBranch):
         scores, positions = self.index.search(vectors, depth) if len(histories) else ([], [])
         results = []
         for row_scores, row_positions, exclude in zip(scores, positions, excluded, strict=True):
-            ranked = [
-                (self.item_ids[p], float(s))
-                for s, p in zip(row_scores, row_positions, strict=True)
-                if p >= 0 and s > 0 and self.item_ids[p] not in exclude
-            ]
-            results.append(ranked[:k])
+            results.append(self._kept(row_scores.tolist(), row_positions.tolist(), exclude, k))
         return results
+
+    def _kept(self, scores: list[float], positions: list[int], exclude: set[str], k: int):
+        """The first ``k`` hits with a positive score and not excluded; stops at ``k`` (the
+        search is ``k`` + the longest exclusion of the batch deep: most of it is not read)."""
+        kept: list[Recommendation] = []
+        for score, position in zip(scores, positions, strict=True):
+            if position < 0 or score <= 0:  # FAISS pads a short list with -1 (and -inf / 0)
+                continue
+            item_id = self.item_ids[position]
+            if item_id not in exclude:
+                kept.append((item_id, score))
+                if len(kept) == k:
+                    break
+        return kept
 
     def arrays(self) -> dict[str, np.ndarray]:
         if self.ivf is None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 import time
 from collections import OrderedDict
@@ -358,9 +359,11 @@ class Recommender:
             history = list(stored.get(request.user_id, []))
             known = {e.event_id for e in history}
             extra = [e for e in request.covered if e.event_id not in known]
-            history.extend(HistoryEvent(e.item_id, e.ts, e.event_id, None) for e in extra)
-            # Stable: store rows keep their (ts, id) order, new events follow in Kafka order.
-            histories.append(sorted(history, key=lambda e: e.ts_ms))
+            if extra:  # else the store's order stands: (ts, id), as sorting would leave it
+                history.extend(HistoryEvent(e.item_id, e.ts, e.event_id, None) for e in extra)
+                # Stable: store rows keep their (ts, id) order, new events follow in Kafka order.
+                history.sort(key=_TS_MS)
+            histories.append(history)
         return histories
 
     # --- 2. prefix KV and prompts, 4. generative decoding ---------------------------------
@@ -550,6 +553,9 @@ class Recommender:
             decoding=decoding,
             latency_ms=(time.monotonic() - request.received_at) * 1000.0,
         )
+
+
+_TS_MS = operator.attrgetter("ts_ms")
 
 
 def _generative_codes(rows: Sequence[tuple[str, float]], bundle) -> dict[str, list[int]]:
