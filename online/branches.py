@@ -658,18 +658,20 @@ class AnnBranch(RecallBranch):
         super().__init__(item_ids, params)
         import faiss
 
-        unit = normalize_rows(embeddings)
-        if unit.shape[0] != len(self.item_ids):
-            raise ValueError(f"ann: {unit.shape[0]} embeddings for {len(self.item_ids)} items")
+        if len(embeddings) != len(self.item_ids):
+            raise ValueError(f"ann: {len(embeddings)} embeddings for {len(self.item_ids)} items")
         if ivf is not None:
             self.index = faiss.deserialize_index(np.ascontiguousarray(ivf, dtype=np.uint8))
-            if self.index.ntotal != len(unit) or self.index.d != unit.shape[1]:
+            if self.index.ntotal != len(embeddings) or self.index.d != embeddings.shape[1]:
                 raise ValueError("ann: the IVF index does not match the embeddings")
             self.index.nprobe = int(params.get("nprobe", DEFAULT_ANN_NPROBE))
-            self.ivf = np.asarray(ivf, dtype=np.uint8)
-            self.embeddings = unit  # the IVF lists hold the vectors by list, not by row
+            # The index is the one copy of the vectors: its lists hold them by list, and a
+            # direct map (8 bytes an item) finds a row's vector there for the user vectors,
+            # instead of a row-ordered copy beside it (and the serialized bytes a third).
+            self.index.make_direct_map()
+            self.embeddings = None
             return
-        self.ivf = None
+        unit = normalize_rows(embeddings)
         self.index = faiss.IndexFlatIP(unit.shape[1])
         self.index.add(unit)
         # a read-only view of the index's own copy: one copy of items x dim float32, not two
@@ -720,7 +722,7 @@ class AnnBranch(RecallBranch):
         self, histories: Sequence[Sequence[str]], timestamps_ms: Sequence[Sequence[int] | None]
     ) -> np.ndarray:
         """Decayed mean of the embeddings of the last ``last_m`` known history items."""
-        vectors = np.zeros((len(histories), self.embeddings.shape[1]), dtype=np.float32)
+        vectors = np.zeros((len(histories), self.index.d), dtype=np.float32)
         for row, (history, stamps) in enumerate(zip(histories, timestamps_ms, strict=True)):
             known = self.recent_known(history, self.params["last_m"])
             if not known:
@@ -733,7 +735,7 @@ class AnnBranch(RecallBranch):
                 age_ms = np.asarray([stamps[-1] - stamps[i] for i in known], dtype=np.float64)
             weights = self.history_weights(steps_back, age_ms)
             positions = [self.item_index[history[i]] for i in known]
-            vectors[row] = weights @ self.embeddings[positions] / weights.sum()
+            vectors[row] = weights @ self.vectors_of(positions) / weights.sum()
         return normalize_rows(vectors)
 
     def recommend_batch(self, histories, k, excludes=None, timestamps_ms=None, chunk_size=1024):
@@ -765,10 +767,27 @@ class AnnBranch(RecallBranch):
                     break
         return kept
 
+    @property
+    def is_ivf(self) -> bool:
+        """Whether the index is an inverted file (else exact, flat)."""
+        return self.embeddings is None
+
+    def vectors_of(self, positions: Sequence[int]) -> np.ndarray:
+        """The unit vectors of catalog ``positions`` (rows of a flat index, or read out of the
+        IVF lists through the direct map: the same floats)."""
+        if self.embeddings is not None:
+            return self.embeddings[positions]
+        return self.index.reconstruct_batch(np.asarray(positions, dtype=np.int64))
+
     def arrays(self) -> dict[str, np.ndarray]:
-        if self.ivf is None:
+        """The unit vectors by row, and with an IVF index its FAISS bytes (both are written
+        at save only: a loaded IVF branch keeps neither)."""
+        if self.embeddings is not None:
             return {"embeddings": self.embeddings}
-        return {"embeddings": self.embeddings, "ivf": self.ivf}
+        import faiss
+
+        vectors = self.index.reconstruct_n(0, self.index.ntotal)
+        return {"embeddings": vectors, "ivf": faiss.serialize_index(self.index)}
 
     @classmethod
     def from_arrays(cls, item_ids, params, arrays) -> AnnBranch:

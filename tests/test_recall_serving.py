@@ -160,9 +160,15 @@ def test_ann_above_exact_max_items_searches_a_saved_ivf_index_that_finds_the_fla
     histories = [[items[j] for j in rng.integers(0, 2000, 5)] for _ in range(40)]
     flat = AnnBranch.fit(items, vectors.astype(np.float32))
     ivf = AnnBranch.fit(items, vectors.astype(np.float32), exact_max_items=1000, nprobe=8)
-    assert flat.ivf is None and ivf.params["nlist"] == int(4 * np.sqrt(2000))
+    assert not flat.is_ivf and ivf.is_ivf and ivf.params["nlist"] == int(4 * np.sqrt(2000))
     reopened = load_branch(ivf.save(tmp_path / "ann"))
     assert reopened.index.nprobe == 8 and reopened.index.ntotal == 2000
+    # the index is the one copy of the vectors: read by row through its direct map
+    assert reopened.embeddings is None
+    positions = [5, 1999, 0]
+    np.testing.assert_array_equal(reopened.vectors_of(positions), flat.vectors_of(positions))
+    assert np.array_equal(reopened.user_vectors(histories, [None] * 40),
+                          flat.user_vectors(histories, [None] * 40))  # fmt: skip
     expected = flat.recommend_batch(histories, 10, excludes=[h[:2] for h in histories])
     for branch in (ivf, reopened):
         got = branch.recommend_batch(histories, 10, excludes=[h[:2] for h in histories])
