@@ -83,7 +83,8 @@ def test_child_nodes_follow_the_trie_down_to_item_rows(catalog):
     for row, tokens in enumerate(catalog_rows):
         node = 0
         for d, token in enumerate(tokens):
-            node = int(trie.children[d][node, token - layout.level_start(d)])
+            code = torch.tensor(token - layout.level_start(d))
+            node = int(trie.child_of(d, torch.tensor(node), code))
         assert node == row
     assert trie.child_nodes(torch.tensor([[0]])).eq(-1).all()  # an invalid prefix
 

@@ -21,7 +21,8 @@ SHAPES = [((4, 4, 2), 12), ((5, 4, 3, 2), 60), ((16, 8, 8, 4), 300), ((3, 9, 2),
 def dense_child(trie: ItemTrie, tables: TrieTables) -> torch.Tensor:
     """The former ``child`` table: LongTensor[n_nodes, width], ``sink`` where no child."""
     child = torch.full((tables.n_nodes, tables.width), tables.sink, dtype=torch.long)
-    for d, children in enumerate(trie.children):
+    for d in range(trie.layout.depth):
+        children = trie.children_of(d, torch.arange(len(trie.keys_by_level[d])))
         rows, codes = slice(tables.offsets[d], tables.offsets[d + 1]), children.shape[1]
         child[rows, :codes] = torch.where(
             children >= 0, children + tables.offsets[d + 1], tables.sink

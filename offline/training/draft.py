@@ -113,13 +113,13 @@ def level_log_probs(logits: torch.Tensor, prefixes: torch.Tensor, tree: ItemTrie
     levels = []
     for level, size in enumerate(layout.codes_per_level):
         start = layout.level_start(level) - layout.item_token_start
-        allowed = tree.children[level][nodes] >= 0
+        allowed = tree.children_of(level, nodes) >= 0
         masked = logits[..., level, start : start + size].masked_fill(~allowed, float("-inf"))
         log_probs = torch.log_softmax(masked, dim=-1)
         log_probs = torch.where(allowed, log_probs, torch.full_like(log_probs, float("-inf")))
         levels.append(torch.nn.functional.pad(log_probs, (0, widest - size), value=float("-inf")))
         code = (prefixes[..., level] - layout.level_start(level)).clamp(0, size - 1)
-        nodes = tree.children[level][nodes, code].clamp(min=0)
+        nodes = tree.child_of(level, nodes, code).clamp(min=0)
     return torch.stack(levels, dim=-2)
 
 

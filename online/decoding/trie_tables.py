@@ -8,7 +8,7 @@ nodes of all levels in one global range and lists every node's children as one
 sorted edge list (CSR), whose size is the number of trie edges, not nodes x codes.
 
 Global node ids: level ``d``'s nodes are ``offsets[d] + i`` (``i`` as in
-``ItemTrie.children[d - 1]``; node 0 is the root), complete items are
+``ItemTrie.child_of(d - 1, ...)``; node 0 is the root), complete items are
 ``item_offset + row`` (their catalog row), and ``sink`` is a node with no
 children that missing beams and finished users point at. Nodes below
 ``item_offset`` are internal; items and the sink share one empty child row.
@@ -159,7 +159,7 @@ class TrieTables:
         layout, device = trie.layout, trie.device
         self.trie, self.depth = trie, layout.depth
         self.width = max(layout.codes_per_level)  # codes per level, padded
-        counts = [len(table) for table in trie.children]
+        counts = [len(keys) for keys in trie.keys_by_level[:-1]]  # nodes of each level
         self.offsets = [sum(counts[:d]) for d in range(self.depth + 1)]
         self.item_offset = self.offsets[-1]
         self.sink = self.item_offset + trie.n_items
@@ -177,11 +177,11 @@ class TrieTables:
     def _edges(self, trie: ItemTrie) -> None:
         """The CSR edge list of every internal node (``edge_*``, ``first_edge``, ``fan``)."""
         keys, children, fans = [], [], []
-        for d, table in enumerate(trie.children):
-            parent, code = (table >= 0).nonzero(as_tuple=True)  # row-major: parent, then code
+        for d in range(self.depth):
+            parent, code, child = trie.edges(d)  # in (parent, code) order
             keys.append((self.offsets[d] + parent) * self.width + code)
-            children.append(self.offsets[d + 1] + table[parent, code])  # items: item_offset + row
-            fans.append((table >= 0).sum(1))
+            children.append(self.offsets[d + 1] + child)  # items: item_offset + row
+            fans.append(trie.child_counts[d])
         self.edge_key = torch.cat(keys)
         pad = torch.full((self.width,), self.sink, dtype=torch.long, device=trie.device)
         child_dtype = torch.int32 if self.n_nodes < 2**31 else torch.long
