@@ -41,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import threading
 import time
@@ -275,7 +274,11 @@ def _kv_bytes(prefix_kv: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "element_size"))
 
 
-MergeFn = Callable[[Mapping[str, Sequence[tuple[str, float]]], int], list[ScoredItem]]
+# A merge returns the merged list as ``ScoredItem``s or as mappings of their fields (what the
+# message validates either way); the default returns mappings (``merged_rows``).
+MergeFn = Callable[
+    [Mapping[str, Sequence[tuple[str, float]]], int], list[ScoredItem | dict[str, Any]]
+]
 
 
 class Recommender:
@@ -285,7 +288,7 @@ class Recommender:
         self.settings = settings.online
         self.recall = settings.recall
         self.engine = engine
-        self.merge_fn = merge_fn or (lambda lists, k: merge_branches(lists, k, settings.recall))
+        self.merge_fn = merge_fn or (lambda lists, k: merged_rows(lists, k, settings.recall))
         self.prefix_kvs = PrefixKVCache(
             self.settings.prefix_kv_lru_size, int(self.settings.prefix_kv_lru_mb * 2**20)
         )
@@ -532,12 +535,7 @@ class Recommender:
             ]
             for name, rows in branch_lists.items()
         }
-        merged = [
-            item.model_copy(update={"semantic_id": codes[item.item_id]})
-            if item.branch == GENERATIVE and item.item_id in codes
-            else item
-            for item in self.merge_fn(branch_lists, k)
-        ]
+        merged = [_with_semantic_id(item, codes) for item in self.merge_fn(branch_lists, k)]
         # Which serving version answered: the model version alone does not change when a
         # refresh only recomputes the prefix KV.
         decoding = {**decoding, "serving_version": bundle.key, "kv_version": bundle.kv_version}
@@ -572,6 +570,13 @@ def merge_branches(
 ) -> list[ScoredItem]:
     """The merged list (``genrec.online.merge`` with ``recall.merge_*``), each item credited
     to the branch that ranked it best."""
+    return [ScoredItem(**row) for row in merged_rows(lists, k, recall)]
+
+
+def merged_rows(
+    lists: Mapping[str, Sequence[tuple[str, float]]], k: int, recall
+) -> list[dict[str, Any]]:
+    """``merge_branches`` as the fields of each item (the message validates them once)."""
     merged = merge_lists(
         lists, k, recall.merge_method, recall.merge_weights, recall.merge_quotas or None,
         recall.merge_rrf_k,
@@ -587,13 +592,22 @@ def merge_branches(
     ]
 
 
-def _scored(item_id: str, score: float, rank: int, **fields: Any) -> ScoredItem:
-    """A ``ScoredItem`` of our own lists without pydantic's validation (~50 per message were
-    ~0.25 ms of a request); a score that is not finite still goes through it and fails."""
-    score = float(score)
-    if not math.isfinite(score):
-        return ScoredItem(item_id=item_id, score=score, rank=rank, **fields)
-    return ScoredItem.model_construct(item_id=item_id, score=score, rank=rank, **fields)
+def _scored(item_id: str, score: float, rank: int, **fields: Any) -> dict[str, Any]:
+    """The fields of a ``ScoredItem``: the message validates its ~50 items at once in
+    pydantic-core, 3x faster than building them one by one with ``model_construct``
+    (97 vs 290 us a message here), and a score that is not finite fails there."""
+    return {"item_id": item_id, "score": float(score), "rank": rank, **fields}
+
+
+def _with_semantic_id(item: ScoredItem | dict[str, Any], codes: Mapping[str, list[int]]):
+    """A merged generative item with its semantic ID (others as they are)."""
+    if isinstance(item, ScoredItem):
+        if item.branch == GENERATIVE and item.item_id in codes:
+            return item.model_copy(update={"semantic_id": codes[item.item_id]})
+        return item
+    if item.get("branch") == GENERATIVE and item["item_id"] in codes:
+        return {**item, "semantic_id": codes[item["item_id"]]}
+    return item
 
 
 def _observe_decoding(stats: Mapping[str, Any]) -> None:

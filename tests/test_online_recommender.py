@@ -23,6 +23,7 @@ from genrec.online.recommender import (
     merge_branches,
 )
 from genrec.schemas.events import UserEvent
+from genrec.schemas.recommendations import ScoredItem
 from genrec.schemas.tables import events
 from genrec.schemas.token_layout import TokenLayout
 
@@ -283,6 +284,41 @@ def test_merge_credits_each_item_to_its_best_branch() -> None:
     assert [(i.item_id, i.branch, i.rank) for i in merged] == [
         ("y", "popularity", 0), ("x", "generative", 1), ("z", "popularity", 2),
     ]  # fmt: skip
+
+
+def test_a_branch_score_that_is_not_finite_fails_the_message_with_the_field_named(
+    store,
+) -> None:
+    """The message validates its items (built as plain fields, not models): a NaN score
+    from a branch is refused with a clear error, never published."""
+    import pydantic
+
+    class NanBranch:
+        def recommend_batch(self, histories, k, excludes, timestamps):
+            return [[("6", float("nan"))] for _ in histories]
+
+    served = bundle(FakeDecoder())
+    served.branches["broken"] = NanBranch()
+    recommender = Recommender(Settings(online={"k": 3}), store)
+    with pytest.raises(pydantic.ValidationError, match="finite number"):
+        recommender.recommend([Request.of([event("k5", "7", "4", 4000)])], served)
+
+
+def test_a_custom_merge_may_return_scored_items_and_generative_ones_get_their_codes(
+    store,
+) -> None:
+    def merge(lists, k):
+        return [ScoredItem(item_id=i, score=s, rank=r, branch="generative")
+                for r, (i, s) in enumerate(lists["generative"][:k])]  # fmt: skip
+
+    recommender = Recommender(Settings(online={"k": 3}), store, merge_fn=merge)
+    [message] = recommender.recommend(
+        [Request.of([event("k6", "8", "1", 600)])], bundle(FakeDecoder())
+    )
+    tokens = item_tokens()
+    assert [i.item_id for i in message.items] == ["2", "3", "4"]
+    for item in message.items:
+        assert item.semantic_id == tokens.layout.decode([tokens.tokens_of(item.item_id)])[0]
 
 
 def test_versions_swap_between_batches_and_survive_a_failed_load() -> None:
