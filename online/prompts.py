@@ -82,6 +82,18 @@ class ItemTokens:
         """The items that have a semantic ID, order kept (new items wait for the next refresh)."""
         return [item_id for item_id in item_ids if item_id in self.index]
 
+    def last_known(self, item_ids: Sequence[str], count: int) -> list[str]:
+        """``known(item_ids)[-count:]``, walking back from the end: a prompt's window costs
+        its ``count`` items, not the whole history (served ones run to 1,000 events)."""
+        found, index = [], self.index
+        for i in range(len(item_ids) - 1, -1, -1):
+            if item_ids[i] in index:
+                found.append(item_ids[i])
+                if len(found) == count:
+                    break
+        found.reverse()
+        return found
+
 
 def history_prompt(
     history: Sequence[str],
@@ -113,7 +125,7 @@ def history_tokens(
     if max_items < 1:
         raise ValueError("max_items must be >= 1")
     tokens: list[int] = []
-    for item_id in item_tokens.known(history)[-max_items:]:
+    for item_id in item_tokens.last_known(history, max_items):
         tokens.extend(item_tokens.tokens_of(item_id))
         if title_tokens is not None:
             tokens.extend(title_tokens.get(item_id, ()))

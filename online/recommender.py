@@ -456,12 +456,12 @@ class Recommender:
         ``store_down``: none because the KV store was unreachable."""
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
+        item_ids = [e.item_id for e in history]
         seen = []
         if self.settings.exclude_seen:
-            seen = sorted(
-                {item_tokens.index[e.item_id] for e in history if e.item_id in item_tokens}
-            )
-        full_prompt = history_prompt([e.item_id for e in history], item_tokens, window)
+            index = item_tokens.index
+            seen = sorted({index[item_id] for item_id in item_ids if item_id in index})
+        full_prompt = history_prompt(item_ids, item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
         entry, prefix_kv = cached or (None, None)
         if prefix_kv is not None:

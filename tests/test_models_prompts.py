@@ -44,6 +44,17 @@ def test_prompt_layout_and_prefix_property():
     assert history_prompt(["unknown", *history], items, 50) == prompt
 
 
+def test_last_known_is_the_tail_of_the_known_items():
+    items = random_items(20)
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        history = [
+            f"i{k}" if k < 20 else f"new{k}" for k in rng.integers(0, 30, rng.integers(0, 40))
+        ]
+        for count in (1, 3, 50):
+            assert items.last_known(history, count) == items.known(history)[-count:]
+
+
 def test_prompt_of_a_history_is_its_cached_prefix_followed_by_the_suffix():
     items = random_items(20)
     history = ["i3", "unknown", "i0", "i7", "i11", "new-item", "i5"]
