@@ -13,6 +13,14 @@ whatever crashes between the publish and the commit. Fencing, two ways:
 - the offsets carry the consumer's group generation: a worker that was paused past
   its session timeout (its partitions now another's) has its commit refused by
   the group coordinator, so its transaction aborts and nothing it sent is seen.
+  That holds only while the snapshot names a member: a consumer that learned it fell
+  out of the group (kafka-python resets its generation to -1 and its member id to
+  "") still hands out a snapshot, and the coordinator accepts a TxnOffsetCommit
+  without a generation unchecked, as it would from a consumer outside any group. So
+  ``publish`` refuses offsets whose snapshot names no member (``TransactionAborted``,
+  nothing begun): the batch is served again once the consumer has rejoined. (A CI run
+  saw a paused, resumed worker answer ~500 events twice, records it had fetched before
+  rejoining; with this check the same test, run beside a CPU hog, refused such a batch.)
 
 ``publish`` raises ``TransactionAborted`` when the batch must be served again
 (the transaction was aborted: the broker refused the offsets, a send failed, a
@@ -47,7 +55,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kafka import errors as kafka_errors
-from kafka.structs import OffsetAndMetadata
+from kafka.structs import ConsumerGroupMetadata, OffsetAndMetadata
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +117,11 @@ class TransactionalPublisher:
         offset per consumed partition) for the group; committed when this returns."""
         if self.producer is None:  # the last replacement could not start: try again now
             self._replace("no producer")
+        if offsets and not is_group_member(group_metadata):
+            raise TransactionAborted(
+                f"the consumer is out of its group ({_describe_member(group_metadata)}): "
+                "offsets sent now would not be fenced; served again once it rejoins"
+            )
         behind = {tp: o for tp, o in offsets.items() if o <= self.committed.get(tp, -1)}
         if behind:  # a committed transaction of ours answered these events already
             raise TransactionAborted(
@@ -189,6 +202,20 @@ class TransactionalPublisher:
     def close(self) -> None:
         if self.producer is not None:
             self.producer.close(timeout=CLOSE_TIMEOUT_S)
+
+
+def is_group_member(group_metadata: Any) -> bool:
+    """Whether a consumer's group snapshot names a member and generation the coordinator
+    will check (a plain group id, or generation -1 / member "", is never fenced)."""
+    if not isinstance(group_metadata, ConsumerGroupMetadata):
+        return False
+    return group_metadata.generation_id >= 0 and bool(group_metadata.member_id)
+
+
+def _describe_member(group_metadata: Any) -> str:
+    if not isinstance(group_metadata, ConsumerGroupMetadata):
+        return f"no group snapshot: {type(group_metadata).__name__}"
+    return f"generation {group_metadata.generation_id}, member {group_metadata.member_id!r}"
 
 
 def _abandon(producer: Any) -> None:

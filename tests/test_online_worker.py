@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from kafka import errors as kafka_errors
 from kafka.future import Future
-from kafka.structs import TopicPartition
+from kafka.structs import ConsumerGroupMetadata, TopicPartition
 
 from genrec.infra.settings import Settings
 from genrec.online.batch_pipeline import InFlightBatch
@@ -23,6 +23,7 @@ from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 
 TOPIC = "genrec.user-events"
+MEMBER = ConsumerGroupMetadata("genrec-online", 1, "member-1", None)  # a joined consumer
 WAIT_S = 10.0  # for conditions another thread brings about
 IDLE_S = 0.2  # exit_when_idle_s of runs that end by themselves: time to read rewound records
 
@@ -700,7 +701,7 @@ class FakeTransactionalProducer(FakeProducer):
         return Future().success("ack")
 
     def send_offsets_to_transaction(self, offsets, group_metadata):
-        assert group_metadata == "generation-1"
+        assert group_metadata == MEMBER
         self.pending_offsets = {tp: meta.offset for tp, meta in offsets.items()}
 
     def commit_transaction(self):
@@ -725,7 +726,7 @@ def exactly_once_worker(arrivals, producer):
     worker, consumer, producer, versions = make_worker(
         arrivals, producer, processing_guarantee="exactly_once", instance_id="w1"
     )
-    consumer.group_metadata = lambda: "generation-1"
+    consumer.group_metadata = lambda: MEMBER
     return worker, consumer, producer
 
 
@@ -765,6 +766,38 @@ def test_exactly_once_an_aborted_transaction_is_served_again_and_never_seen_twic
     ]
 
 
+def test_exactly_once_a_consumer_out_of_its_group_publishes_nothing_until_it_rejoins() -> None:
+    """Its heartbeat learned the session expired: kafka-python's snapshot then has
+    generation -1 and no member id, which the coordinator would accept unfenced. The
+    batch is not published; served again with a member's snapshot, once."""
+    batch = [record(1, 7, "e1", "erin"), record(1, 8, "f1", "frank")]
+    worker, consumer, producer = exactly_once_worker([batch], FakeTransactionalProducer())
+    snapshots = iter([ConsumerGroupMetadata("genrec-online")])  # out of the group, once
+    consumer.group_metadata = lambda: next(snapshots, MEMBER)
+    report = worker.run(exit_when_idle_s=IDLE_S)
+    assert producer.log == ["init", "begin", "commit"]  # nothing begun while out
+    assert consumer.seeks == [(1, 7)]
+    assert sorted(m.event_id for _, m in producer.sent) == ["e1", "f1"]
+    assert producer.committed_offsets == {TopicPartition(TOPIC, 1): 9}
+    assert report.publish_failures == 1
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    ["genrec-online", ConsumerGroupMetadata("genrec-online"),
+     ConsumerGroupMetadata("genrec-online", 4, "", None)],
+    ids=["a group id", "no generation", "no member id"],
+)  # fmt: skip
+def test_a_transactional_publisher_refuses_offsets_no_member_would_be_fenced_for(
+    snapshot,
+) -> None:
+    publisher = TransactionalPublisher(FakeTransactionalProducer)
+    with pytest.raises(TransactionAborted, match="out of its group"):
+        publisher.publish("t", [], {TopicPartition(TOPIC, 0): 3}, snapshot)
+    assert publisher.producer.log == ["init"] and publisher.aborted == 0
+    publisher.publish("t", [], {}, snapshot)  # no offsets: nothing to fence
+
+
 def test_a_transaction_that_failed_before_its_offsets_is_aborted_on_its_producer() -> None:
     class NoLeader(FakeTransactionalProducer):
         def send(self, topic, key, value):
@@ -778,7 +811,7 @@ def test_a_transaction_that_failed_before_its_offsets_is_aborted_on_its_producer
 
     publisher = TransactionalPublisher(factory)
     with pytest.raises(TransactionAborted, match="no partition leader; aborted"):
-        publisher.publish("t", [(b"k", b"{}")], {TopicPartition(TOPIC, 0): 3}, "generation-1")
+        publisher.publish("t", [(b"k", b"{}")], {TopicPartition(TOPIC, 0): 3}, MEMBER)
     assert len(made) == 1 and made[0].log == ["init", "begin", "abort"] and not made[0].closed
     assert publisher.aborted == 1 and publisher.committed == {}
 
@@ -786,12 +819,12 @@ def test_a_transaction_that_failed_before_its_offsets_is_aborted_on_its_producer
 def test_a_transactional_publisher_refuses_offsets_behind_its_last_commit() -> None:
     tp = TopicPartition(TOPIC, 0)
     publisher = TransactionalPublisher(FakeTransactionalProducer)
-    publisher.publish("t", [], {tp: 36}, "generation-1")
+    publisher.publish("t", [], {tp: 36}, MEMBER)
     for behind in (8, 36):  # 36 again: its last event (35) was answered too
         with pytest.raises(TransactionAborted, match="not past those this worker committed"):
-            publisher.publish("t", [], {tp: behind}, "generation-1")
+            publisher.publish("t", [], {tp: behind}, MEMBER)
     assert publisher.producer.log == ["init", "begin", "commit"]  # nothing begun for them
-    publisher.publish("t", [], {tp: 37}, "generation-1")
+    publisher.publish("t", [], {tp: 37}, MEMBER)
     assert publisher.committed == {tp: 37} and publisher.producer.committed_offsets == {tp: 37}
 
 

@@ -203,3 +203,51 @@ def test_on_the_broker_a_refused_offset_commit_does_not_set_a_partition_back(
             publisher.close()
         with contextlib.suppress(Exception):
             member.close()
+
+
+def test_on_the_broker_offsets_that_name_no_member_are_unfenced_so_they_are_never_sent(
+    kafka_broker,
+) -> None:
+    """Why ``publish`` checks the group snapshot: the coordinator takes a TxnOffsetCommit
+    naming no member and no generation (what kafka-python's snapshot says once the
+    consumer learned it fell out of the group) unchecked, even with the group's member
+    live: a raw transactional producer sets P1 back from 36 to 8. The publisher refuses
+    the same offsets, nothing begun, and P1 stays where its owner committed it."""
+    kafka = fresh_kafka(kafka_broker)
+    group = f"genrec-txn-test-{uuid.uuid4().hex[:6]}"
+    p1 = TopicPartition(kafka.topic_events, 1)
+    member = open_client(
+        KafkaConsumer, kafka, group_id=group, enable_auto_commit=False,
+        isolation_level="read_committed", session_timeout_ms=6000, heartbeat_interval_ms=500,
+    )  # fmt: skip
+    clients = []
+
+    def transactional(name: str):
+        clients.append(open_client(
+            KafkaProducer, kafka, transactional_id=f"{group}.{name}", acks="all",
+            enable_idempotence=True, linger_ms=0,
+        ))  # fmt: skip
+        return clients[-1]
+
+    try:
+        member.subscribe([kafka.topic_events])
+        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 60,
+                 "the group member's assignment")  # fmt: skip
+        member.commit({p1: OffsetAndMetadata(36, "", -1)})
+        out = member.group_metadata()._replace(generation_id=-1, member_id="")
+        publisher = TransactionalPublisher(lambda: transactional("w1"), timeout_s=30.0)
+        with pytest.raises(TransactionAborted, match="out of its group"):
+            publisher.publish(kafka.topic_recommendations, [(b"k", b"{}")], {p1: 8}, out)
+        assert member.committed(p1) == 36
+        raw = transactional("raw")
+        raw.init_transactions()
+        raw.begin_transaction()
+        raw.send_offsets_to_transaction({p1: OffsetAndMetadata(8, "", -1)}, out)
+        raw.commit_transaction()
+        assert member.committed(p1) == 8  # accepted: nothing fenced it
+    finally:
+        for client in clients:
+            with contextlib.suppress(Exception):
+                client.close(timeout=5)
+        with contextlib.suppress(Exception):
+            member.close()
