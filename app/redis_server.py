@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
@@ -26,10 +27,31 @@ class RedisUnavailable(RuntimeError):
     """``redis-server`` is not installed (``make redis`` installs it)."""
 
 
-def free_port() -> int:
+# Redis Cluster talks to its peers on the port 10,000 above the client port, and refuses a
+# client port above 55,535; the kernel's ephemeral ports reach 60,999.
+CLUSTER_BUS_OFFSET = 10_000
+CLUSTER_MAX_PORT = 65_535 - CLUSTER_BUS_OFFSET
+
+
+def free_port(cluster: bool = False) -> int:
+    """A free loopback port; for a cluster node one at most 55,535 whose bus port is free."""
+    if not cluster:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    for port in random.sample(range(20_000, CLUSTER_MAX_PORT + 1), 200):
+        if _bindable(port) and _bindable(port + CLUSTER_BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair for a Redis Cluster node (port and port + 10,000)")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class LocalRedis:
@@ -60,7 +82,7 @@ class LocalRedis:
         if shutil.which("redis-server") is None:
             raise RedisUnavailable("redis-server not found; run `make redis`")
         root = Path(tempfile.mkdtemp(prefix="genrec-redis-"))
-        server = cls(root, free_port(), password, cluster, tls)
+        server = cls(root, free_port(cluster), password, cluster, tls)
         if tls:
             server._make_certificate()
         server.resume(timeout)

@@ -340,16 +340,25 @@ def test_two_processes_share_partitions_and_store_each_event_once(
     settings = make_settings(kafka_settings, database_url, tmp_path, batch_size=100)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     frame = synthetic_events(12_000, users=200)
-    producer = threading.Thread(
-        target=replay_events, args=(settings, frame), kwargs={"rate": 800, "progress": False}
-    )
+
+    def b_assigned() -> bool:
+        return logs[1].exists() and "partitions assigned: ['" in logs[1].read_text()
+
+    def produce() -> None:
+        replay_events(settings, frame.iloc[:6_000], rate=800, progress=False)
+        # The rest once B holds partitions: on a slow host B's start-up outlasted the
+        # whole stream once, A stored every event and B none.
+        wait_for(b_assigned, 180, "B's partitions")
+        replay_events(settings, frame.iloc[6_000:], rate=800, progress=False)
+
+    producer = threading.Thread(target=produce)
     processes = [ingest_process(settings, logs[0], "--exit-when-idle", "8")]
     try:
         wait_for(lambda: "partitions assigned: ['" in logs[0].read_text(), 120, "A's partitions")
         producer.start()
         wait_for(lambda: count_rows(database_url) >= 2000, 120, "A to store events")
         processes.append(ingest_process(settings, logs[1], "--exit-when-idle", "8"))
-        producer.join(timeout=120)
+        producer.join(timeout=300)
         for process, path in zip(processes, logs, strict=True):
             assert process.wait(timeout=240) == 0, path.read_text()[-3000:]
     finally:

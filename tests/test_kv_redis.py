@@ -285,3 +285,13 @@ def test_tls_with_the_servers_ca(tmp_path: Path) -> None:
         plain = _store(server, tmp_path, tls=False)
         with pytest.raises(KVStoreUnavailable):
             plain.load_many(1, ["u"], "m1")
+
+
+def test_a_cluster_node_gets_a_port_redis_cluster_accepts() -> None:
+    """Redis Cluster refuses a client port above 55,535 (its bus is 10,000 higher); the
+    kernel's ephemeral ports reach 60,999, so a plain free port failed ~1 start in 5."""
+    from genrec.app.redis_server import CLUSTER_BUS_OFFSET, CLUSTER_MAX_PORT, free_port
+
+    for _ in range(20):
+        port = free_port(cluster=True)
+        assert port <= CLUSTER_MAX_PORT and port + CLUSTER_BUS_OFFSET <= 65_535
