@@ -9,6 +9,7 @@ from genrec.offline.semantic_ids.embeddings import (
     behavior_vectors,
     fit_behavior,
     hash_vector,
+    load_interactions,
     render_item_text,
 )
 from genrec.schemas.tables import events
@@ -56,3 +57,25 @@ def test_behavior_embeddings_fold_in_and_hash_fallback(tmp_path):
     assert unit[0] @ unit[1] > 0.9 and unit[0] @ unit[2] < 0.5
     assert not vectors[3].any()  # no interactions: the caller falls back to hash_vector
     assert np.array_equal(hash_vector("x", 8), hash_vector("x", 8))
+
+
+def test_interactions_read_in_pages_equal_one_read(tmp_path):
+    """Distinct pairs, sorted ids and rows in query order, whatever the page size."""
+    engine = make_engine(f"sqlite:///{tmp_path / 's.db'}")
+    generator = np.random.default_rng(0)
+    rows = [{"event_id": f"e{n}", "user_id": f"u{generator.integers(40)}",
+             "item_id": f"i{generator.integers(60)}", "event_type": "view", "ts_ms": n}
+            for n in range(500)]  # fmt: skip
+    with engine.begin() as connection:
+        connection.execute(insert(events), rows)
+    distinct = list(dict.fromkeys((r["item_id"], r["user_id"]) for r in rows))
+    item_ids, user_ids, pairs = load_interactions(engine)
+    assert item_ids == sorted({i for i, _ in distinct})
+    assert user_ids == sorted({u for _, u in distinct})
+    assert sorted((item_ids[i], user_ids[u]) for i, u in pairs) == sorted(distinct)
+    for page_rows in (1, 7, 1000):
+        paged = load_interactions(engine, page_rows)
+        assert paged[0] == item_ids and paged[1] == user_ids
+        assert np.array_equal(paged[2], pairs)  # same order: the fold-in sums in it
+    empty = make_engine(f"sqlite:///{tmp_path / 'empty.db'}")
+    assert load_interactions(empty)[2].shape == (0, 2)

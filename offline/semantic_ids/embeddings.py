@@ -209,17 +209,51 @@ def encode_text_batch(model, texts: list[str]) -> np.ndarray:
 # --- behavior ---------------------------------------------------------------
 
 
-def load_interactions(engine: Engine) -> tuple[list[str], list[str], np.ndarray]:
-    """Distinct (item, user) pairs: item ids, user ids, pairs as int64 [n, 2] of (item, user) rows."""
+# Distinct (item, user) pairs read per page: the scan streams, so memory holds two int64
+# codes a pair and one entry per distinct id, not a Python row per pair.
+INTERACTION_PAGE_ROWS = 100_000
+
+
+def load_interactions(
+    engine: Engine, page_rows: int = INTERACTION_PAGE_ROWS
+) -> tuple[list[str], list[str], np.ndarray]:
+    """Distinct (item, user) pairs: item ids, user ids (each sorted), pairs as int64 [n, 2]
+    of (item, user) rows, in the query's order.
+
+    The query streams in pages of ``page_rows``; each page becomes codes in first-seen order,
+    renumbered to the sorted ids once the scan is done. Memory: 16 bytes a pair (twice,
+    briefly, while the pages are joined) plus the two id lists, O(pairs + items + users).
+    """
     query = select(events.c.item_id, events.c.user_id).distinct()
+    item_code: dict[str, int] = {}
+    user_code: dict[str, int] = {}
+    pages: list[np.ndarray] = []
     with engine.connect() as connection:
-        pairs = connection.execute(query).all()
-    item_ids = sorted({item for item, _ in pairs})
-    user_ids = sorted({user for _, user in pairs})
-    item_row = {item: row for row, item in enumerate(item_ids)}
-    user_row = {user: row for row, user in enumerate(user_ids)}
-    index = np.array([(item_row[i], user_row[u]) for i, u in pairs], dtype=np.int64).reshape(-1, 2)
-    return item_ids, user_ids, index
+        result = connection.execution_options(stream_results=True, yield_per=page_rows).execute(
+            query
+        )
+        for page in result.partitions(page_rows):
+            # setdefault's default is evaluated first: a new id gets the next code
+            item_rows = [item_code.setdefault(item, len(item_code)) for item, _ in page]
+            user_rows = [user_code.setdefault(user, len(user_code)) for _, user in page]
+            pages.append(np.array([item_rows, user_rows], dtype=np.int64).T)
+    item_ids, item_rank = _sorted_codes(item_code)
+    user_ids, user_rank = _sorted_codes(user_code)
+    pairs = np.concatenate(pages) if pages else np.zeros((0, 2), dtype=np.int64)
+    del pages
+    pairs[:, 0] = item_rank[pairs[:, 0]]
+    pairs[:, 1] = user_rank[pairs[:, 1]]
+    return item_ids, user_ids, pairs
+
+
+def _sorted_codes(code_of: dict[str, int]) -> tuple[list[str], np.ndarray]:
+    """The ids in sorted order, and for each first-seen code its row in that order."""
+    ids = sorted(code_of)
+    rank = np.empty(len(ids), dtype=np.int64)
+    rank[np.fromiter((code_of[i] for i in ids), dtype=np.int64, count=len(ids))] = np.arange(
+        len(ids)
+    )
+    return ids, rank
 
 
 def fit_behavior(engine: Engine, dim: int, seed: int) -> BehaviorModel | None:
