@@ -374,6 +374,12 @@ class KafkaBroker:
         self.pid_file.unlink(missing_ok=True)
         self._process = None
 
+    def terminate(self) -> None:
+        """SIGTERM the broker (a clean shutdown) without waiting for it; ``down`` waits."""
+        pid = self._read_pid()
+        if pid is not None and self._alive(pid):
+            _signal(pid, signal.SIGTERM)
+
     def kill(self) -> None:
         """SIGKILL the broker and leave its pid file behind, as a crash would (for tests)."""
         pid = self._read_pid()
@@ -592,6 +598,12 @@ class KafkaCluster:
         return self.bootstrap
 
     def down(self, timeout: float = 30.0) -> None:
+        """Stop every node: SIGTERM to all at once, then each is waited for (SIGKILL after
+        ``timeout``). One by one, the last node's controlled shutdown waited for a
+        controller quorum that had already gone and was killed after ``timeout`` (3 nodes:
+        32 s, against 6 s at once)."""
+        for node in self.nodes:
+            node.terminate()
         for node in self.nodes:
             node.down(timeout)
 

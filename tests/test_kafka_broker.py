@@ -18,6 +18,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from genrec.app.kafka_broker import (
     KafkaBroker,
     KafkaBrokerError,
+    KafkaCluster,
     new_cluster_id,
     parse_bootstrap,
     pick_free_ports,
@@ -284,3 +285,24 @@ def test_up_reports_a_broker_that_dies(tmp_path: Path) -> None:
         broker.up()
     assert "heap" in str(error.value).lower()  # the JVM's own complaint, from broker.log
     assert not broker.status().running and not broker.pid_file.exists()
+
+
+def test_a_cluster_signals_every_node_before_waiting_for_any(tmp_path: Path) -> None:
+    """One node at a time, the last one's controlled shutdown waits for a quorum that has
+    gone (and is killed after the timeout): all nodes get SIGTERM first."""
+    cluster = KafkaCluster(tmp_path, [(19092, 19093), (19094, 19095), (19096, 19097)])
+    calls: list[str] = []
+
+    class Node:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def terminate(self) -> None:
+            calls.append(f"term {self.name}")
+
+        def down(self, timeout: float) -> None:
+            calls.append(f"wait {self.name}")
+
+    cluster.nodes = [Node("1"), Node("2"), Node("3")]
+    cluster.down()
+    assert calls == ["term 1", "term 2", "term 3", "wait 1", "wait 2", "wait 3"]
