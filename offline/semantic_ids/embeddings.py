@@ -256,9 +256,15 @@ def _sorted_codes(code_of: dict[str, int]) -> tuple[list[str], np.ndarray]:
     return ids, rank
 
 
-def fit_behavior(engine: Engine, dim: int, seed: int) -> BehaviorModel | None:
-    """Truncated SVD of the binary item x user matrix, users weighted by 1/sqrt(activity)."""
-    item_ids, user_ids, pairs = load_interactions(engine)
+Interactions = tuple[list[str], list[str], np.ndarray]  # what load_interactions returns
+
+
+def fit_behavior(
+    engine: Engine, dim: int, seed: int, interactions: Interactions | None = None
+) -> BehaviorModel | None:
+    """Truncated SVD of the binary item x user matrix, users weighted by 1/sqrt(activity);
+    ``interactions``: ``load_interactions(engine)`` when the caller already has it."""
+    item_ids, user_ids, pairs = interactions or load_interactions(engine)
     if len(pairs) == 0:
         return None
     user_activity = np.bincount(pairs[:, 1], minlength=len(user_ids)).astype(np.float32)
@@ -276,9 +282,15 @@ def fit_behavior(engine: Engine, dim: int, seed: int) -> BehaviorModel | None:
     return BehaviorModel(user_ids, factors.astype(np.float32), None)
 
 
-def behavior_vectors(engine: Engine, model: BehaviorModel, item_ids: list[str]) -> np.ndarray:
-    """Fold-in: each item's interactions times the stored user factors (zero rows: no data)."""
-    known_items, user_ids, pairs = load_interactions(engine)
+def behavior_vectors(
+    engine: Engine,
+    model: BehaviorModel,
+    item_ids: list[str],
+    interactions: Interactions | None = None,
+) -> np.ndarray:
+    """Fold-in: each item's interactions times the stored user factors (zero rows: no data);
+    ``interactions`` as in ``fit_behavior``."""
+    known_items, user_ids, pairs = interactions or load_interactions(engine)
     user_col = {user: col for col, user in enumerate(model.user_ids)}
     # Users who arrived after the fit have no factor: they are left out of the fold-in.
     column_of = np.array([user_col.get(user, -1) for user in user_ids], dtype=np.int64)
@@ -337,10 +349,13 @@ def compute_item_embeddings(
     else:
         vectors, newly_embedded = None, 0
     need_behavior = [i for i, source in enumerate(sources) if source == "behavior"]
-    if need_behavior and behavior is None:
-        behavior = fit_behavior(engine, config.behavior_dim, config.seed)
+    interactions = None
+    if need_behavior and behavior is None:  # one read of the pairs for the fit and the fold-in
+        interactions = load_interactions(engine)
+        behavior = fit_behavior(engine, config.behavior_dim, config.seed, interactions)
     if need_behavior and behavior is not None:
-        folded = behavior_vectors(engine, behavior, item_ids)
+        folded = behavior_vectors(engine, behavior, item_ids, interactions)
+        del interactions
         if mode == "text":
             if behavior.projection is None:
                 both = has_text & (np.abs(folded).sum(axis=1) > 0)
