@@ -362,23 +362,22 @@ class KafkaBroker:
 
     def down(self, timeout: float = 30.0) -> None:
         """Stop the broker: SIGTERM (a clean shutdown), SIGKILL if it is still there after ``timeout``."""
-        pid = self._read_pid()
-        if pid is not None and self._alive(pid):
-            _signal(pid, signal.SIGTERM)
-            if not self._wait_exit(pid, timeout):
-                log.warning(
-                    "Kafka broker pid %d ignored SIGTERM for %.0fs; killing it", pid, timeout
-                )
-                _signal(pid, signal.SIGKILL)
-                self._wait_exit(pid, 10.0)
+        pid = self.terminate()
+        if pid is not None and not self._wait_exit(pid, timeout):
+            log.warning("Kafka broker pid %d ignored SIGTERM for %.0fs; killing it", pid, timeout)
+            _signal(pid, signal.SIGKILL)
+            self._wait_exit(pid, 10.0)
         self.pid_file.unlink(missing_ok=True)
         self._process = None
 
-    def terminate(self) -> None:
-        """SIGTERM the broker (a clean shutdown) without waiting for it; ``down`` waits."""
+    def terminate(self) -> int | None:
+        """SIGTERM the broker (a clean shutdown) without waiting for it; ``down`` waits.
+        Returns the pid signalled, None when no broker was running."""
         pid = self._read_pid()
-        if pid is not None and self._alive(pid):
-            _signal(pid, signal.SIGTERM)
+        if pid is None or not self._alive(pid):
+            return None
+        _signal(pid, signal.SIGTERM)
+        return pid
 
     def kill(self) -> None:
         """SIGKILL the broker and leave its pid file behind, as a crash would (for tests)."""

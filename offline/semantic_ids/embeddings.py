@@ -212,11 +212,10 @@ def encode_text_batch(model, texts: list[str]) -> np.ndarray:
 # Distinct (item, user) pairs read per page: the scan streams, so memory holds two int64
 # codes a pair and one entry per distinct id, not a Python row per pair.
 INTERACTION_PAGE_ROWS = 100_000
+Interactions = tuple[list[str], list[str], np.ndarray]  # item ids, user ids, [n, 2] rows
 
 
-def load_interactions(
-    engine: Engine, page_rows: int = INTERACTION_PAGE_ROWS
-) -> tuple[list[str], list[str], np.ndarray]:
+def load_interactions(engine: Engine, page_rows: int = INTERACTION_PAGE_ROWS) -> Interactions:
     """Distinct (item, user) pairs: item ids, user ids (each sorted), pairs as int64 [n, 2]
     of (item, user) rows, in the query's order.
 
@@ -254,9 +253,6 @@ def _sorted_codes(code_of: dict[str, int]) -> tuple[list[str], np.ndarray]:
         len(ids)
     )
     return ids, rank
-
-
-Interactions = tuple[list[str], list[str], np.ndarray]  # what load_interactions returns
 
 
 def fit_behavior(
