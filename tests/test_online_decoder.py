@@ -184,3 +184,51 @@ def test_the_strict_draft_is_the_one_training_measured_best(models) -> None:
     assert chosen.draft_name == "atspeed_s"  # online.draft wins
     unmeasured = GenerativeModels(models.target, drafts, models.item_tokens, 50, preset="tiny")
     assert unmeasured.drafts_for("strict")[0] == "atspeed_s"
+
+
+@pytest.mark.parametrize("mode", ["target", "strict"])
+def test_cached_and_uncached_users_share_one_engine_call(models, mode, monkeypatch) -> None:
+    """Users without a prefix KV join the cached ones as empty prefixes: one engine call for
+    the batch, the items and scores of decoding each user's full prompt; where the padding
+    would cost more than a second call (``JOIN_MAX_EXTRA_KEYS``), two calls, same items."""
+    from genrec.online import recommender as recommender_module
+
+    histories = [[f"i{n}" for n in range(s, s + length)] for s, length in ((0, 3), (9, 8), (30, 5))]
+    mixed = requests(models, histories, cached=True)
+    mixed[1] = requests(models, [histories[1]], cached=False)[0]
+    decoder = ModelDecoder(models, OnlineSettings(mode=mode, draft_beams=16))
+    expected = ModelDecoder(models, OnlineSettings(mode="target")).decode(
+        requests(models, histories, cached=False), beam_width=8
+    )
+    calls = []
+    real = decoder._search
+    monkeypatch.setattr(decoder, "_search", lambda *a: calls.append(a[0]) or real(*a))
+    for join_max, n_calls in ((recommender_module.JOIN_MAX_EXTRA_KEYS, 1), (0, 2)):
+        monkeypatch.setattr(recommender_module, "JOIN_MAX_EXTRA_KEYS", join_max)
+        calls.clear()
+        got = decoder.decode(mixed, beam_width=8)
+        assert len(calls) == n_calls
+        for a, b in zip(got.items, expected.items, strict=True):
+            assert [row for row, _ in a] == [row for row, _ in b]
+            assert np.allclose([s for _, s in a], [s for _, s in b], atol=1e-5)
+        assert [s["mode"] for s in got.stats] == [mode] * 3
+    # the kept prompt of the uncached user is its whole prompt, as decoded alone
+    assert got.prompt_kvs[1].prompt_ids == mixed[1].full_prompt
+
+
+def test_serving_decodes_in_inference_mode_and_offline_decodes_still_run(models) -> None:
+    """The worker's decode runs under inference mode; its reused KV buffers never reach a
+    decode outside it (an evaluation's), which could not write into them."""
+    from genrec.online.decoding.engine import batched_beam_search
+
+    histories = [[f"i{n}" for n in range(s, s + 5)] for s in (0, 20)]
+    decoder = ModelDecoder(models, OnlineSettings(mode="target"))
+    served = decoder.decode(requests(models, histories, cached=True), beam_width=8)
+    assert served.prompt_kvs[0].keys[0].is_inference()
+    uncached = requests(models, histories, cached=False)
+    offline = batched_beam_search(
+        models.target, [r.full_prompt for r in uncached], models.tree, models.layout, 8,
+        exclude=[r.exclude for r in uncached],
+    )  # fmt: skip
+    assert not offline.scores.is_inference()
+    assert offline.item_index.tolist() == [[row for row, _ in items] for items in served.items]

@@ -47,17 +47,20 @@ class Buffers:
     A fresh multi-megabyte tensor is paged in by the kernel on first touch (on the
     2-core CPU about 1 GB/s: 12 ms of a 65 ms batch-64 decode); a reused one is not.
     Keeps up to ``keep`` buffers (a target's and a draft's) of at most ``max_bytes``
-    each per (dtype, device); thread-safe.
+    each per (dtype, device, inference mode); thread-safe. A buffer made under
+    ``torch.inference_mode`` (the serving worker's decodes) is an inference tensor, which
+    may not be written outside that mode (an evaluation's ``no_grad`` decode in the same
+    process): the two kinds never share a pool.
     """
 
     def __init__(self, keep: int = 2, max_bytes: int = 1 << 30) -> None:
         self.keep, self.max_bytes, self.lock = keep, max_bytes, threading.Lock()
-        self.free: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        self.free: dict[tuple[torch.dtype, torch.device, bool], list[torch.Tensor]] = {}
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A flat tensor of at least ``numel`` elements (contents undefined)."""
         with self.lock:
-            pool = self.free.setdefault((dtype, device), [])
+            pool = self.free.setdefault((dtype, device, torch.is_inference_mode_enabled()), [])
             fitting = [i for i, b in enumerate(pool) if b.numel() >= numel]
             if fitting:
                 return pool.pop(min(fitting, key=lambda i: pool[i].numel()))
@@ -68,7 +71,7 @@ class Buffers:
         if buffer.numel() * buffer.element_size() > self.max_bytes:
             return
         with self.lock:
-            pool = self.free.setdefault((buffer.dtype, buffer.device), [])
+            pool = self.free.setdefault((buffer.dtype, buffer.device, buffer.is_inference()), [])
             pool.append(buffer)
             if len(pool) > self.keep:
                 pool.pop(min(range(len(pool)), key=lambda i: pool[i].numel()))
