@@ -663,7 +663,6 @@ class ModelDecoder:
         # generator is a CPU one on every device.
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.monitor = AcceptanceMonitor(threshold=settings.min_acceptance_rate)
-        self._empty: tuple[list[Any], list[Any]] | None = None  # see _empty_kv
         self.auto = None
         if settings.mode == "auto" and self.draft is not None:
             self.auto = AutoMode(settings.auto_mode_batches, settings.auto_mode_recheck_batches)
@@ -732,7 +731,7 @@ class ModelDecoder:
         under ``JOIN_MAX_EXTRA_KEYS`` (``_join_pays``), else two calls as before.
         """
         # loads torch, as in __init__
-        from genrec.online.decoding.prefix_kv import PrefixBatch, PrefixKV
+        from genrec.online.decoding.prefix_kv import PrefixBatch, PrefixKV, empty_kv
 
         with_prefix = sorted(
             (i for i, r in enumerate(requests) if r.prefix_kv is not None),
@@ -750,7 +749,7 @@ class ModelDecoder:
             batches.append((without, [requests[i].full_prompt for i in without]))
             without = []
         version = requests[with_prefix[0]].prefix_kv.model_version
-        keys, values = self._empty_kv() if without else ([], [])
+        keys, values = empty_kv(self.models.target) if without else ([], [])
         prefixes = [requests[i].prefix_kv for i in with_prefix] + [
             PrefixKV(requests[i].full_prompt[:1], keys, values, version) for i in without
         ]
@@ -758,17 +757,6 @@ class ModelDecoder:
             requests[i].full_prompt[1:] for i in without
         ]
         return [(with_prefix + without, PrefixBatch(prefixes, suffixes)), *batches]
-
-    def _empty_kv(self) -> tuple[list[Any], list[Any]]:
-        """The target's per-layer keys and values of no token (shared by every empty prefix:
-        nothing ever writes into a zero-length tensor)."""
-        if self._empty is None:
-            from genrec.online.decoding.prefix_kv import compute_prefix_kv  # loads torch
-
-            bos = self.layout.bos_token_id
-            empty = compute_prefix_kv(self.models.target, [[bos]], "empty")[0]
-            self._empty = (empty.keys, empty.values)
-        return self._empty
 
     def _keep_prompt_kvs(self, result, rows: list[int], prompt_kvs: list[Any]) -> None:
         """The decoded prompts' KVs into ``prompt_kvs`` (at ``rows``), the draft's as the

@@ -118,7 +118,7 @@ def compute_prefix_kv(
         chunk = [p[:-1] for p in prompts[start : start + batch_size]]
         width = max(len(p) for p in chunk)
         if width == 0:
-            empty = _empty_kv(model)
+            empty = empty_kv(model)
             out += [
                 PrefixKV(list(p), *empty, model_version)
                 for p in prompts[start : start + batch_size]
@@ -146,7 +146,8 @@ def compute_prefix_kv(
     return out
 
 
-def _empty_kv(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def empty_kv(model) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per layer, ``model``'s keys and values of no token (the cache of a BOS-only prompt)."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
