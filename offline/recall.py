@@ -8,7 +8,7 @@ Example::
     >>> from genrec.infra.database import make_engine
     >>> from genrec.infra.settings import get_settings
     >>> settings = get_settings()
-    >>> branches = fit_store_branches(settings, make_engine(settings.database))  # doctest: +SKIP
+    >>> branches = fit_store_branches(settings, make_engine(settings.database_url))  # doctest: +SKIP
     >>> save_branches(branches, "var/recall")  # doctest: +SKIP
 """
 
@@ -88,7 +88,11 @@ def fit_branches(
     source = "given"
     if item_embeddings is None:
         item_embeddings = cooccurrence_embeddings(
-            sequences, item_ids, dim=recall.ann_dim, window=recall.ann_window
+            sequences,
+            item_ids,
+            dim=recall.ann_dim,
+            window=recall.ann_window,
+            fit_max_items=recall.ann_fit_max_items,
         )
         source = "cooccurrence"
     ann = _ann_branch(item_ids, item_embeddings, recall, source)
@@ -157,7 +161,9 @@ def fit_store_branches(settings, engine, until_ts_ms: int | None = None) -> dict
     if ann is None:
         embeddings, source = semantic_id_embeddings(settings, engine, item_ids), "given"
     else:
-        embeddings = embeddings_of_cooccurrence(ann.matrix(), dim=recall.ann_dim)
+        embeddings = embeddings_of_cooccurrence(
+            ann.matrix(), dim=recall.ann_dim, fit_max_items=recall.ann_fit_max_items
+        )
         source = "cooccurrence"
     return {
         "popularity": popularity.branch(item_ids),

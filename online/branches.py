@@ -596,40 +596,101 @@ def cooccurrence_embeddings(
     dim: int = 128,
     window: int = 20,
     dense_max_items: int = 4000,
+    fit_max_items: int | None = None,
 ) -> np.ndarray:
     """Collaborative item embeddings: the top eigenvectors of the cosine-normalized co-occurrence.
 
     E = V * sqrt(lambda) over the ``dim`` largest eigenvalues, so E @ E.T is the best
     rank-``dim`` positive approximation of the similarity. Dense ``eigh`` for small
-    catalogs (fast, exact), sparse ``eigsh`` above ``dense_max_items``. Items never
-    seen get a zero row (ANN then never recalls them).
+    catalogs (fast, exact), sparse ``eigsh`` above ``dense_max_items``; above
+    ``fit_max_items`` items the eigenvectors of the most connected ``fit_max_items`` only,
+    every item placed by its co-occurrence with those (``embeddings_of_cooccurrence``).
+    Items never seen get a zero row (ANN then never recalls them).
     """
     index = {item: i for i, item in enumerate(item_ids)}
     cooccurrence = CooccurrenceSum(len(item_ids), window)
     cooccurrence.add([[index[i] for i in seq if i in index] for seq in sequences.values()])
-    return embeddings_of_cooccurrence(cooccurrence.matrix(), dim, dense_max_items)
+    return embeddings_of_cooccurrence(cooccurrence.matrix(), dim, dense_max_items, fit_max_items)
 
 
 def embeddings_of_cooccurrence(
-    cooccurrence: sparse.csr_matrix, dim: int = 128, dense_max_items: int = 4000
+    cooccurrence: sparse.csr_matrix,
+    dim: int = 128,
+    dense_max_items: int = 4000,
+    fit_max_items: int | None = None,
 ) -> np.ndarray:
-    """``cooccurrence_embeddings`` of an already summed co-occurrence (items x items)."""
+    """``cooccurrence_embeddings`` of an already summed co-occurrence (items x items).
+
+    Up to ``fit_max_items`` items (None: any number) the eigenvectors of the whole
+    normalized matrix; above it ``landmark_embeddings``, whose cost stops growing with the
+    catalog but for one sparse product (eigsh over n items costs ~n x (2 dim)^2 per restart,
+    and more restarts as n grows: an hour or more at 1M items and dim 256 on two cores).
+    """
     n = cooccurrence.shape[0]
     normalized, counts = symmetric_normalized(cooccurrence)
     dim = max(1, min(dim, n - 2))
-    if n <= dense_max_items:
-        from scipy.linalg import eigh
-
-        values, vectors = eigh(normalized.toarray(), subset_by_index=[n - dim, n - 1])
-    else:
-        from scipy.sparse.linalg import eigsh
-
-        # deterministic start vector, so the same data gives the same embeddings
-        v0 = np.ones(n) / math.sqrt(n)
-        values, vectors = eigsh(normalized, k=dim, which="LA", v0=v0)
+    if fit_max_items is not None and n > fit_max_items:
+        return landmark_embeddings(normalized, counts, dim, fit_max_items, dense_max_items)
+    values, vectors = top_eigenpairs(normalized, dim, dense_max_items)
     vectors *= np.sqrt(np.maximum(values, 0.0))  # in place: no second items x dim float64
     vectors[counts == 0] = 0.0
     return vectors.astype(np.float32)
+
+
+def top_eigenpairs(
+    symmetric: sparse.csr_matrix, dim: int, dense_max_items: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The ``dim`` largest algebraic eigenvalues (ascending) and their eigenvectors (columns):
+    dense ``eigh`` up to ``dense_max_items`` rows, ``eigsh`` from a fixed start above."""
+    n = symmetric.shape[0]
+    if n <= dense_max_items:
+        from scipy.linalg import eigh
+
+        return eigh(symmetric.toarray(), subset_by_index=[n - dim, n - 1])
+    from scipy.sparse.linalg import eigsh
+
+    # deterministic start vector, so the same data gives the same embeddings
+    v0 = np.ones(n) / math.sqrt(n)
+    return eigsh(symmetric, k=dim, which="LA", v0=v0)
+
+
+LANDMARK_ROWS_PER_PRODUCT = 65_536  # rows of the n x dim float64 product made at a time
+
+
+def landmark_embeddings(
+    normalized: sparse.csr_matrix,
+    counts: np.ndarray,
+    dim: int,
+    landmarks: int,
+    dense_max_items: int = 4000,
+) -> np.ndarray:
+    """Embeddings of every item from the eigenvectors of the ``landmarks`` most connected
+    items only (the Nystrom extension).
+
+    The landmarks L are the items with the largest co-occurrence sums (ties: lower
+    position). With N_LL = V diag(lambda) V.T over its ``dim`` largest eigenvalues, every
+    item i gets E_i = N_iL V diag(lambda)^-1/2: a landmark gets exactly V_i sqrt(lambda),
+    what the whole-matrix fit gives when N_LL is the whole matrix, and E E.T = N_:L N_LL^+
+    N_L: approximates N through the landmarks' columns. Only positive eigenvalues are kept
+    (a negative one has no real square root; the whole-matrix fit zeroes those too); an
+    item with no co-occurrence with a landmark gets a zero row, as a never-seen item does.
+
+    Cost: the landmarks' eigenproblem (bounded by ``landmarks``, whatever the catalog),
+    then one pass over the matrix's rows, LANDMARK_ROWS_PER_PRODUCT at a time: O(nnz x dim)
+    time, items x dim float32 out plus one chunk's float64 product.
+    """
+    n = normalized.shape[0]
+    chosen = np.sort(np.argsort(-counts, kind="stable")[:landmarks])
+    fit_dim = max(1, min(dim, len(chosen) - 2))
+    values, vectors = top_eigenpairs(normalized[chosen][:, chosen], fit_dim, dense_max_items)
+    positive = values > 1e-9 * max(float(values.max()), 0.0)
+    projection = vectors[:, positive] / np.sqrt(values[positive])
+    width = projection.shape[1]
+    embeddings = np.zeros((n, dim), dtype=np.float32)
+    for start in range(0, n, LANDMARK_ROWS_PER_PRODUCT):
+        rows = normalized[start : start + LANDMARK_ROWS_PER_PRODUCT][:, chosen]
+        embeddings[start : start + rows.shape[0], :width] = rows @ projection
+    return embeddings
 
 
 def symmetric_normalized(cooccurrence: sparse.csr_matrix) -> tuple[sparse.csr_matrix, np.ndarray]:

@@ -72,3 +72,18 @@ def test_mix_saves_and_places_new_items_like_the_build(tmp_path):
     assert np.allclose(placed[:, :16], np.sqrt(0.7) * new_text, atol=1e-5)
     assert np.allclose(np.linalg.norm(placed[:, 16:], axis=1), np.sqrt(0.3), atol=1e-5)
     assert CooccurrenceMix.load(tmp_path / "missing") is None
+
+
+def test_the_cooccurrence_part_above_fit_max_items_is_the_landmark_fit():
+    from genrec.online.branches import cooccurrence_embeddings
+
+    rng = np.random.default_rng(4)
+    item_ids = [f"i{n}" for n in range(50)]
+    sequences = {f"u{n}": [item_ids[i] for i in rng.zipf(1.5, size=10) % 50] for n in range(60)}
+    text = random_text(len(item_ids))
+    bounded, _ = mix_cooccurrence(item_ids, text, sequences, weight=1.0, dim=3, fit_max_items=15)
+    landmarks = cooccurrence_embeddings(sequences, item_ids, dim=3, fit_max_items=15)
+    seen = np.linalg.norm(landmarks, axis=1) > 1e-8
+    unit = landmarks[seen] / np.linalg.norm(landmarks[seen], axis=1, keepdims=True)
+    part = bounded[seen][:, -3:]  # weight 1: the rows are the co-occurrence part alone
+    np.testing.assert_allclose(part @ part.T, unit @ unit.T, atol=1e-5)

@@ -130,3 +130,21 @@ def test_vectors_are_fitted_on_the_given_sequences_only():
     norms = vectors.norm(dim=1)
     torch.testing.assert_close(norms[:4], torch.ones(4))
     assert torch.equal(norms[4:], torch.zeros(2))  # never seen in the sequences: no vector
+
+
+def test_vectors_above_fit_max_items_are_the_landmark_embeddings():
+    """``fit_max_items`` below the catalog: the unit rows of the landmark (Nystrom) fit."""
+    from genrec.online.branches import cooccurrence_embeddings, normalize_rows
+    from genrec.schemas.token_layout import TokenLayout
+
+    rng = np.random.default_rng(2)
+    layout = TokenLayout.for_scratch_model((8, 8))
+    codes = np.array([[a, b] for a in range(8) for b in range(8)])[:60]
+    names = [f"m{i}" for i in range(60)]
+    items = ItemTokens(names, codes, layout)
+    sequences = [[names[i] for i in rng.zipf(1.5, size=12) % 60] for _ in range(80)]
+    vectors = fit_item_vectors(sequences, items, dim=4, fit_max_items=20)
+    expected = cooccurrence_embeddings(dict(enumerate(sequences)), names, dim=4, fit_max_items=20)
+    torch.testing.assert_close(vectors, torch.from_numpy(normalize_rows(expected)))
+    whole = fit_item_vectors(sequences, items, dim=4)
+    assert not torch.allclose(vectors, whole, atol=1e-3)

@@ -227,3 +227,26 @@ def test_cooccurrence_sum_bound_prunes_rows():
         columns = np.flatnonzero(dense[row])
         best = columns[np.lexsort((columns, -dense[row, columns] * scale[columns]))][:4]
         assert set(single.matrix()[row].indices) == set(best), row
+
+
+def test_ann_fit_above_ann_fit_max_items_uses_landmarks(ml100k_sample_store, tmp_path):
+    """With ``recall.ann_fit_max_items`` below the catalog, the store fit and the in-memory
+    fit both give the ANN branch the landmark (Nystrom) embeddings of their co-occurrence."""
+    from genrec.online.branches import landmark_embeddings, symmetric_normalized
+
+    settings = Settings(home=tmp_path, recall={"ann_fit_max_items": 200})
+    stored = fit_store_branches(settings, ml100k_sample_store)["ann"].embeddings
+    histories = load_user_histories(ml100k_sample_store)
+    sequences = {user: [e.item_id for e in events] for user, events in histories.items()}
+    stamps = {user: [e.ts_ms for e in events] for user, events in histories.items()}
+    item_ids = load_item_ids(ml100k_sample_store)
+    memory = fit_branches(sequences, item_ids, settings.recall, stamps)["ann"].embeddings
+    index = {item: i for i, item in enumerate(item_ids)}
+    co = CooccurrenceSum(len(item_ids), settings.recall.ann_window)
+    co.add([[index[i] for i in seq if i in index] for seq in sequences.values()])
+    normalized, counts = symmetric_normalized(co.matrix())
+    dim = settings.recall.ann_dim
+    expected = landmark_embeddings(normalized, counts, dim, 200)
+    unit = expected / np.maximum(np.linalg.norm(expected, axis=1, keepdims=True), 1e-12)
+    for got in (stored, memory):  # the branch keeps unit vectors
+        np.testing.assert_allclose(got @ got.T, unit @ unit.T, atol=1e-4)

@@ -183,3 +183,57 @@ def test_ann_above_exact_max_items_searches_a_saved_ivf_index_that_finds_the_fla
         ]
         assert sum(found) >= 0.95 * 10 * len(histories)
         assert all(not set(h[:2]) & {i for i, _ in g} for g, h in zip(got, histories, strict=True))
+
+
+def _low_rank_cooccurrence(rng, n: int, rank: int) -> sparse.csr_matrix:
+    """C = X X.T for a non-negative n x rank X: a co-occurrence whose normalized matrix is
+    positive semi-definite of that rank, with heavy-tailed item degrees."""
+    weights = rng.pareto(1.5, size=n)[:, None] + 0.05
+    memberships = rng.random((n, rank)) ** 4 * weights
+    return sparse.csr_matrix(memberships @ memberships.T)
+
+
+@pytest.mark.parametrize("dense_max_items", [4000, 0])  # dense eigh, eigsh
+def test_landmark_embeddings_are_exact_on_a_matrix_of_the_landmarks_rank(dense_max_items):
+    """Nystrom from 60 landmarks of 400 items: when the landmarks span the matrix (rank 5 <
+    dim), E E.T is the normalized co-occurrence, as the whole-catalog fit's is."""
+    rng = np.random.default_rng(3)
+    co = _low_rank_cooccurrence(rng, 400, 5)
+    normalized, _ = symmetric_normalized(co)
+    whole = embeddings_of_cooccurrence(co, dim=8, dense_max_items=dense_max_items)
+    landmarks = embeddings_of_cooccurrence(
+        co, dim=8, dense_max_items=dense_max_items, fit_max_items=60
+    )
+    assert landmarks.shape == whole.shape == (400, 8) and landmarks.dtype == np.float32
+    np.testing.assert_allclose(whole @ whole.T, normalized.toarray(), atol=1e-5)
+    np.testing.assert_allclose(landmarks @ landmarks.T, normalized.toarray(), atol=1e-5)
+
+
+def test_landmark_embeddings_give_the_landmarks_their_own_eigenvectors():
+    """The landmarks are the items of largest co-occurrence sums; their rows are
+    V sqrt(lambda) of their own block of the normalized matrix; an item with no
+    co-occurrence with a landmark (here: a pair of tail items, and an unseen one) gets zeros."""
+    from genrec.online.branches import landmark_embeddings, top_eigenpairs
+
+    rng = np.random.default_rng(5)
+    sequences = [rng.zipf(1.3, size=int(rng.integers(2, 30))) % 500 for _ in range(400)]
+    sequences += [np.array([500, 501, 500])]  # two items that only meet each other
+    co = cooccurrence_matrix(sequences, 503, window=5)
+    normalized, counts = symmetric_normalized(co)
+    got = landmark_embeddings(normalized, counts, dim=16, landmarks=80)
+    chosen = np.sort(np.argsort(-counts, kind="stable")[:80])
+    assert counts[chosen].min() >= np.delete(counts, chosen).max()
+    values, vectors = top_eigenpairs(normalized[chosen][:, chosen], 16, 4000)
+    positive = values > 0
+    own = vectors[:, positive] * np.sqrt(values[positive])
+    width = int(positive.sum())
+    np.testing.assert_allclose(got[chosen, :width], own, atol=1e-5)
+    assert not got[chosen, width:].any()
+    assert not got[[500, 501, 502]].any()
+
+
+def test_embeddings_up_to_fit_max_items_are_the_whole_catalog_fit():
+    rng = np.random.default_rng(7)
+    co = _low_rank_cooccurrence(rng, 300, 12)
+    whole = embeddings_of_cooccurrence(co, dim=8)
+    assert np.array_equal(embeddings_of_cooccurrence(co, dim=8, fit_max_items=300), whole)

@@ -333,6 +333,7 @@ def _mix_full_build(
         weight=config.cooccurrence_weight,
         dim=config.cooccurrence_dim,
         window=config.cooccurrence_window,
+        fit_max_items=config.cooccurrence_fit_max_items,
     )
     return mix
 

@@ -84,16 +84,20 @@ def mix_cooccurrence(
     weight: float,
     dim: int,
     window: int = 20,
+    fit_max_items: int | None = None,
 ) -> tuple[np.ndarray, CooccurrenceMix | None]:
     """Mixed vectors of ``item_ids`` (rows of ``text``) and the map; unchanged text and None
     when no item co-occurs with another (nothing to learn from).
 
     ``sequences`` should already leave the test items out (``Split.before_test``).
+    ``fit_max_items``: above it, landmark embeddings (``cooccurrence_embeddings``).
     """
     if not 0.0 < weight < 1.0 + 1e-9:
         raise ValueError(f"cooccurrence weight must be in (0, 1], got {weight}")
     dim = max(1, min(dim, len(item_ids) - 2))
-    cooccurrence = cooccurrence_embeddings(sequences, item_ids, dim=dim, window=window)
+    cooccurrence = cooccurrence_embeddings(
+        sequences, item_ids, dim=dim, window=window, fit_max_items=fit_max_items
+    )
     seen = np.linalg.norm(cooccurrence, axis=1) > 1e-8
     if seen.sum() < 2:
         return normalize_rows(text), None

@@ -308,6 +308,7 @@ def truth_cross_entropy(draft_lp: torch.Tensor, truth_codes: torch.Tensor) -> to
 def train_sft_draft(
     item_tokens: ItemTokens, split: Split, preset: ModelPreset, history_items: int,
     seed: int = 0, progress: bool = True, shard: DataShard = SINGLE,
+    item_vector_fit_max_items: int | None = None,
 ) -> TrainResult:  # fmt: skip
     """The plain SFT draft: the target's training recipe on the draft architecture.
 
@@ -325,7 +326,8 @@ def train_sft_draft(
     )  # fmt: skip
     draft = build_draft(preset, item_tokens.layout)
     return train_target(item_tokens, split, schedule, history_items, model=draft, seed=seed,
-                        progress=progress, valid_limit=300, shard=shard)  # fmt: skip
+                        progress=progress, valid_limit=300, shard=shard,
+                        item_vector_fit_max_items=item_vector_fit_max_items)  # fmt: skip
 
 
 def align_draft(

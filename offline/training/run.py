@@ -145,6 +145,7 @@ class TrainingInputs:
     target: Any = None  # the target to keep when it is not trained (drafts only)
     # OfflineSettings: where the teacher's batches run in a one-worker run (offline.executor)
     offline: Any = None
+    item_vector_fit_max_items: int | None = None  # train.item_vector_fit_max_items
 
 
 @dataclass
@@ -172,13 +173,15 @@ def train_parts(
     if target is None:
         result = train_target(item_tokens, split, preset, history, model=inputs.base_model,
                               seed=seed, progress=progress, beam_width=inputs.beam_width,
-                              shard=shard)  # fmt: skip
+                              shard=shard,
+                              item_vector_fit_max_items=inputs.item_vector_fit_max_items)  # fmt: skip
         target = result.model
         metrics.update(target_seconds=result.seconds, target_params=count_parameters(target),
                        **{f"target_{k}": v for k, v in result.metrics.items()})  # fmt: skip
         curves["target_curves.png"] = result.curves
     sft = train_sft_draft(item_tokens, split, preset, history, seed=seed, progress=progress,
-                          shard=shard)  # fmt: skip
+                          shard=shard,
+                          item_vector_fit_max_items=inputs.item_vector_fit_max_items)  # fmt: skip
     drafts = {"sft": sft.model}
     metrics.update(sft_seconds=sft.seconds, draft_params=count_parameters(sft.model))
     started = time.perf_counter()
@@ -222,6 +225,7 @@ def _train_all(settings, engine, preset, split, item_tokens, base_model, train_t
         base_model=base_model,
         target=None if train_target_model else _active_target(settings, engine, item_tokens),
         offline=settings.offline,
+        item_vector_fit_max_items=settings.train.item_vector_fit_max_items,
     )  # fmt: skip
     if settings.train.workers > 1:
         from genrec.offline.training.ray_train import train_parts_on_ray

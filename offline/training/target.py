@@ -333,6 +333,7 @@ def train_target(
     valid_limit: int | None = None,
     beam_width: int = 20,
     shard: DataShard = SINGLE,
+    item_vector_fit_max_items: int | None = None,
 ) -> TrainResult:
     """Train a target on ``split.train`` with early stopping on ``split.valid`` HR@10.
 
@@ -340,6 +341,7 @@ def train_target(
     whole schedule instead, never evaluates and keeps the last weights. With
     ``preset.ema_decay`` the weights validated and kept are the moving average.
     ``shard``: this worker's share of a data-parallel run (every worker returns the same model).
+    ``item_vector_fit_max_items``: ``fit_item_vectors``' landmark bound (``train`` settings).
     """
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
@@ -349,7 +351,10 @@ def train_target(
     ties = tie_groups(split, item_tokens, preset.fit_on_valid) if preset.shuffle_ties else None
     tree = ItemTrie.from_item_tokens(item_tokens, device)
     if preset.item_vector_dim > 0 and item_vector_embedding(model) is None:
-        vectors = fit_item_vectors(sequences, item_tokens, preset.item_vector_dim)
+        vectors = fit_item_vectors(
+            sequences, item_tokens, preset.item_vector_dim,
+            fit_max_items=item_vector_fit_max_items,
+        )  # fmt: skip
         attach_item_vectors(model, tree, vectors)
     valid = [c for c in split.valid.values() if c.target in item_tokens]
     valid = valid[: valid_limit or preset.eval_users]

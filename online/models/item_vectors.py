@@ -115,18 +115,25 @@ class ItemVectorEmbedding(nn.Module):
 
 
 def fit_item_vectors(
-    sequences: Sequence[Sequence[str]], item_tokens: ItemTokens, dim: int, window: int = 20
+    sequences: Sequence[Sequence[str]],
+    item_tokens: ItemTokens,
+    dim: int,
+    window: int = 20,
+    fit_max_items: int | None = None,
 ) -> torch.Tensor:
     """Unit co-occurrence embeddings of the catalog (``item_tokens`` order) from ``sequences``.
 
     Items that never occur get a zero vector. Fit on the sequences the target is
-    trained on, never on held-out items.
+    trained on, never on held-out items. Above ``fit_max_items`` items: landmark
+    embeddings (``cooccurrence_embeddings``), so the fit stops growing with the catalog.
     """
     # lazy: genrec.online.branches pulls in scipy.sparse (~0.9 s), which only fitting needs
     from genrec.online.branches import cooccurrence_embeddings, normalize_rows
 
     by_row = dict(enumerate(sequences))
-    vectors = cooccurrence_embeddings(by_row, item_tokens.item_ids, dim=dim, window=window)
+    vectors = cooccurrence_embeddings(
+        by_row, item_tokens.item_ids, dim=dim, window=window, fit_max_items=fit_max_items
+    )
     return torch.from_numpy(normalize_rows(vectors))
 
 
