@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +217,40 @@ def test_each_size_gets_a_fresh_store_of_the_configured_kind(database_url, tmp_p
         run.drop_database()
     else:
         assert run.database_url.startswith(f"sqlite:///{tmp_path}")
+
+
+def test_sigterm_stops_the_running_stage_with_the_bench(tmp_path: Path) -> None:
+    """A stage runs in a session of its own, so the bench's SIGTERM does not reach it: the
+    bench stops its process group on the way out (it used to leave it running)."""
+    pid_file = tmp_path / "stage.pid"
+    stage = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+    bench = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from genrec.app.bench.scale import run_measured, stopped_by_sigterm\n"
+        "with stopped_by_sigterm():\n"
+        f"    run_measured([sys.executable, '-c', {stage!r}], {{}}, Path({str(tmp_path / 'c.log')!r}),"
+        " timeout_s=120, desc='test')\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", bench])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.1)
+    stage_pid = int(pid_file.read_text())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 30  # stopped with it, not left running (and then reaped)
+    while _alive(stage_pid):
+        assert time.monotonic() < deadline, "the stage outlived the bench"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

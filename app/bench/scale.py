@@ -269,18 +269,23 @@ def run_measured(
                                    start_new_session=True)  # fmt: skip
         peaks: dict[int, tuple[str, int]] = {}
         timed_out = False
-        with progress_bar(desc=desc, unit="s", total=None) as bar:
-            while True:
-                pid, status, usage = os.wait4(process.pid, os.WNOHANG)
-                if pid:
-                    break
-                _sample_tree(process.pid, peaks)
-                elapsed = time.monotonic() - started
-                bar.update(SAMPLE_S)
-                if elapsed > timeout_s and not timed_out:
-                    timed_out = True
-                    _stop_group(process.pid)
-                time.sleep(SAMPLE_S)
+        try:
+            with progress_bar(desc=desc, unit="s", total=None) as bar:
+                while True:
+                    pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+                    if pid:
+                        break
+                    _sample_tree(process.pid, peaks)
+                    elapsed = time.monotonic() - started
+                    bar.update(SAMPLE_S)
+                    if elapsed > timeout_s and not timed_out:
+                        timed_out = True
+                        _stop_group(process.pid)
+                    time.sleep(SAMPLE_S)
+        except BaseException:
+            # the bench is stopped (SIGTERM, Ctrl-C): its own session does not get the signal
+            _stop_group(process.pid)
+            raise
         wall = time.monotonic() - started
     process.returncode = os.waitstatus_to_exitcode(status)  # Popen must not wait again
     name = " ".join(Path(part).name for part in command[:5])
@@ -671,8 +676,30 @@ def kafka_bootstrap(settings, config: ScaleConfig, folder: Path) -> Iterator[str
 # --- the whole run -----------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit inside the block (as Ctrl-C raises KeyboardInterrupt), so
+    that the running stage's process group, the private broker and the stores are cleaned
+    up on the way out instead of being left behind."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_scale_bench(settings, config: ScaleConfig, out_dir: Path) -> dict[str, Any]:
-    """Every size in a fresh store, every stage as its own process; the report."""
+    """Every size in a fresh store, every stage as its own process; the report. SIGTERM
+    stops the running stage and the private broker (``stopped_by_sigterm``)."""
+    with stopped_by_sigterm():
+        return _run_sizes(settings, config, out_dir)
+
+
+def _run_sizes(settings, config: ScaleConfig, out_dir: Path) -> dict[str, Any]:
     stages = select_stages(config.stages)
     started = datetime.now(UTC)
     results: list[StageResult] = []
