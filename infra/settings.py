@@ -274,8 +274,9 @@ class TrainSettings(BaseModel):
     # cluster every node must reach it (the shared artifact volume). Default:
     # data_dir / "ray-train". Each run's folder is removed once its models are loaded.
     storage_dir: Path | None = None
-    # Train (and fit the semantic-ID co-occurrence mix) on the store's newest max_events
-    # events only, so training time and memory stop growing with the store; None: all.
+    # Train (and fit the semantic-ID co-occurrence mix, and evaluate: genrec eval) on the
+    # store's newest max_events events only, so training and evaluation time and memory
+    # stop growing with the store; None: all.
     # The default is 20x ML-100K's 100k events (ML-100K trains on all of them).
     max_events: int | None = Field(default=2_000_000, ge=1)
     # The target's item vectors (online/models/item_vectors.py) are co-occurrence

@@ -192,10 +192,16 @@ def headline_k(ks: Sequence[int]) -> int:
 
 
 class ProtocolData:
-    """Split, catalog and timestamps of one store, loaded once for every ranker."""
+    """Split, catalog and timestamps of one store, loaded once for every ranker.
 
-    def __init__(self, engine) -> None:
-        histories = load_user_histories(engine)
+    ``newest_events``: only the store's newest that many events (the window the target
+    trains on, ``train.max_events``), so memory stops growing with the store; None: all.
+    """
+
+    def __init__(self, engine, newest_events: int | None = None) -> None:
+        histories = load_user_histories(engine, newest_events=newest_events)
+        self.newest_events = newest_events
+        self.events = sum(len(events) for events in histories.values())
         self.item_ids = load_item_ids(engine)
         self.sequences = {u: [e.item_id for e in events] for u, events in histories.items()}
         self.timestamps = {u: [e.ts_ms for e in events] for u, events in histories.items()}
@@ -316,7 +322,7 @@ def run_protocol(
     exclude = recall.eval_exclude_seen if exclude_seen is None else exclude_seen
     ks = tuple(sorted(recall.eval_ks))
     k = max(ks)
-    data = ProtocolData(engine)
+    data = ProtocolData(engine, newest_events=settings.train.max_events)
     test_cases = data.cases("test", max_users)
     notes = [_repeat_note(test_cases, exclude)]
     report: dict[str, Any] = {
@@ -482,6 +488,10 @@ def protocol_description(
 ) -> dict[str, Any]:
     return {
         "split": "leave-one-out by time: last item = test, the one before = validation",
+        "events": data.events,
+        "window": "every stored event"
+        if data.newest_events is None
+        else f"the store's newest {data.newest_events:,} events (train.max_events)",
         "order": "events sorted by timestamp, ties kept in source order (stable sort)",
         "candidates": "full catalog",
         "catalog_items": len(data.item_ids),

@@ -30,7 +30,6 @@ from genrec.online.branches import (
     PopularityBranch,
     PopularitySum,
     RecallBranch,
-    cooccurrence_embeddings,
     embeddings_of_cooccurrence,
 )
 
@@ -76,7 +75,10 @@ def fit_branches(
     """The three branches fitted on ``sequences`` with ``recall`` (``RecallSettings``).
 
     ANN uses ``item_embeddings`` (rows aligned with ``item_ids``) when given, else the
-    SVD of the co-occurrence of ``sequences``.
+    eigenvectors of the co-occurrence of ``sequences``. The co-occurrences are summed
+    ``recall.fit_users_per_read`` users at a time under the store fit's bounds
+    (``fit_store_branches``), so memory is those sums plus one page's pairs, not every
+    pair of ``sequences`` at once; up to a page of users (ML-100K) it is the one-shot fit.
     """
     popularity = PopularityBranch.fit(
         sequences,
@@ -84,19 +86,42 @@ def fit_branches(
         timestamps_ms if recall.popularity_half_life_days is not None else None,
         half_life_days=recall.popularity_half_life_days,
     )
-    itemcf = fit_itemcf(sequences, item_ids, recall)
+    itemcf, ann = cooccurrence_sums(len(item_ids), recall, ann=item_embeddings is None)
+    index = {item: i for i, item in enumerate(item_ids)}
+    users = list(sequences.values())
+    for start in range(0, len(users), recall.fit_users_per_read):
+        page = users[start : start + recall.fit_users_per_read]
+        encoded = [[index[i] for i in sequence if i in index] for sequence in page]
+        itemcf.add(encoded)
+        if ann is not None:
+            ann.add(encoded)
     source = "given"
-    if item_embeddings is None:
-        item_embeddings = cooccurrence_embeddings(
-            sequences,
-            item_ids,
-            dim=recall.ann_dim,
-            window=recall.ann_window,
-            fit_max_items=recall.ann_fit_max_items,
+    if ann is not None:
+        item_embeddings = embeddings_of_cooccurrence(
+            ann.matrix(), dim=recall.ann_dim, fit_max_items=recall.ann_fit_max_items
         )
         source = "cooccurrence"
-    ann = _ann_branch(item_ids, item_embeddings, recall, source)
-    return {"popularity": popularity, "itemcf": itemcf, "ann": ann}
+    return {
+        "popularity": popularity,
+        "itemcf": ItemCFBranch.from_cooccurrence(item_ids, itemcf, **_itemcf_ranking(recall)),
+        "ann": _ann_branch(item_ids, item_embeddings, recall, source),
+    }
+
+
+def cooccurrence_sums(
+    n_items: int, recall, ann: bool = True
+) -> tuple[CooccurrenceSum, CooccurrenceSum | None]:
+    """Empty running sums of the item-CF and (``ann``) ANN co-occurrences, bounded by
+    ``recall.cooccurrence_max_entries`` / ``cooccurrence_prune_to``."""
+    bound = {
+        "max_entries": recall.cooccurrence_max_entries,
+        "prune_to": recall.cooccurrence_prune_to,
+    }
+    itemcf = CooccurrenceSum(
+        n_items, recall.itemcf_window, recall.itemcf_distance_decay,
+        recall.itemcf_backward_weight, **bound,
+    )  # fmt: skip
+    return itemcf, CooccurrenceSum(n_items, recall.ann_window, **bound) if ann else None
 
 
 def semantic_id_embeddings(settings, engine, item_ids: Sequence[str]) -> np.ndarray:
@@ -132,18 +157,10 @@ def fit_store_branches(settings, engine, until_ts_ms: int | None = None) -> dict
         raise ValueError("the behavior store has no events to fit recall branches on")
     item_ids = load_item_ids(engine)
     index = {item: i for i, item in enumerate(item_ids)}
-    bound = {
-        "max_entries": recall.cooccurrence_max_entries,
-        "prune_to": recall.cooccurrence_prune_to,
-    }
     popularity = PopularitySum(len(item_ids), recall.popularity_half_life_days, latest)
-    itemcf = CooccurrenceSum(
-        len(item_ids), recall.itemcf_window, recall.itemcf_distance_decay,
-        recall.itemcf_backward_weight, **bound,
-    )  # fmt: skip
-    ann = None
-    if recall.ann_embeddings != "semantic_ids":
-        ann = CooccurrenceSum(len(item_ids), recall.ann_window, **bound)
+    itemcf, ann = cooccurrence_sums(
+        len(item_ids), recall, ann=recall.ann_embeddings != "semantic_ids"
+    )
     pages = history_pages(engine, until_ts_ms=until_ts_ms, users_per_page=recall.fit_users_per_read)
     for page in progress_bar(pages, desc="fit recall", unit="page"):
         # an item first seen after ``load_item_ids`` (ingest runs on) waits for the next fit

@@ -102,6 +102,29 @@ def test_protocol_keeps_repeat_targets_and_reports_the_setting(tmp_path):
     assert by_setting["results"] == allowed["results"]
 
 
+def test_protocol_reads_the_training_window_only(tmp_path):
+    """``genrec eval`` evaluates on the store's newest ``train.max_events`` events, the
+    window the target trains on (bounded however large the store grows), and says so."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
+    rows = [
+        {"event_id": f"{user}-{n}", "user_id": user, "item_id": f"i{(n + ord(user[-1])) % 7}",
+         "event_type": "view", "ts_ms": 1000 * n}
+        for user in ("u1", "u2", "u3") for n in range(5)
+    ]  # fmt: skip
+    write_events(engine, rows)  # stored user after user: u3's five events are the newest
+    window = ProtocolData(engine, newest_events=5)
+    assert window.events == 5 and set(window.split.test) == {"u3"}
+    assert ProtocolData(engine).events == 15
+    settings = Settings(home=tmp_path, train={"max_events": 5}, recall={"eval_ks": (1, 5)})
+    report = run_protocol(settings, engine, generative=False, progress=False)
+    assert report["protocol"]["events"] == 5 and "newest 5 events" in report["protocol"]["window"]
+    assert report["results"]["popularity"]["users"] == 1
+    whole = run_protocol(Settings(home=tmp_path, train={"max_events": None}), engine,
+                         generative=False, progress=False)  # fmt: skip
+    assert whole["protocol"]["window"] == "every stored event"
+    assert whole["results"]["popularity"]["users"] == 3
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="rankings for"):
         evaluate_rankings([[]], [], ks=(5,))
