@@ -352,16 +352,32 @@ def _keep_top_per_row(matrix: sparse.csr_matrix, top: int) -> sparse.csr_matrix:
 
 
 def _prune_rows(
-    matrix: sparse.csr_matrix, keep: int, column_scale: np.ndarray
+    matrix: sparse.csr_matrix, keep: int, column_scale: np.ndarray, budget: int | None = None
 ) -> sparse.csr_matrix:
     """Each row's ``keep`` largest entries by value x ``column_scale`` (ties: lower column);
-    vectorized (one sort of the entries), for the running sums of ``CooccurrenceSum``."""
+    vectorized (one sort of the entries), for the running sums of ``CooccurrenceSum``.
+
+    With ``budget``, when more than that many entries are left, only ``budget`` stay: each
+    row's first ``max(1, budget // (2 rows))`` (a rare item keeps its best neighbours), then
+    the rest by value x scale[row] x scale[column] (the item-CF cosine, comparable across
+    rows; ties: row, then column). Without it, rows x ``keep`` entries can outgrow any
+    bound (1M items x 400) and every page would prune again.
+    """
     matrix.sum_duplicates()
     rows = np.repeat(np.arange(matrix.shape[0]), np.diff(matrix.indptr))
     rank_key = matrix.data * column_scale[matrix.indices]
     order = np.lexsort((matrix.indices, -rank_key, rows))
     rank = np.arange(matrix.nnz) - matrix.indptr[rows[order]]
-    kept = np.sort(order[rank < keep])  # back in (row, column) order: still canonical CSR
+    kept = order[rank < keep]
+    if budget is not None and len(kept) > budget:
+        floor = max(1, budget // (2 * matrix.shape[0]))
+        first = rank[rank < keep] < floor
+        rest = kept[~first]
+        cosine = rank_key[rest] * column_scale[rows[rest]]
+        room = max(0, budget - int(first.sum()))
+        best = np.argsort(-cosine, kind="stable")[:room]  # stable: ties in (row, column) order
+        kept = np.concatenate([kept[first], rest[best]])
+    kept = np.sort(kept)  # back in (row, column) order: still canonical CSR
     indptr = np.concatenate([[0], np.cumsum(np.bincount(rows[kept], minlength=matrix.shape[0]))])
     return sparse.csr_matrix((matrix.data[kept], matrix.indices[kept], indptr), shape=matrix.shape)
 
@@ -377,10 +393,13 @@ class CooccurrenceSum:
 
     ``max_entries`` bounds the sum: when a page leaves it with more distinct pairs, every
     row is cut to its ``prune_to`` largest entries, ranked by C[i, j] / sqrt(n_j) over the
-    counts so far (the cosine order the item-CF fit ranks by, for row i). That is an
-    approximation: a pair cut early loses what it had summed, and counts again from the
-    next page on. Memory then stays about max(max_entries, items x prune_to) entries.
-    None: no bound (exact).
+    counts so far (the cosine order the item-CF fit ranks by, for row i), and, where that
+    still leaves more than ``max_entries / 2`` (many items: 1M x 400), the weakest pairs
+    by cosine go too, down to ``max_entries / 2``, every row keeping at least its best
+    ``max_entries / (4 items)`` (at least 1; ``_prune_rows``). That is an approximation: a
+    pair cut early loses what it had summed, and counts again from the next page on.
+    Memory then stays about ``max_entries`` entries (or one per item, if more), and a
+    prune leaves room for pages to come. None: no bound (exact).
     """
 
     def __init__(
@@ -415,7 +434,7 @@ class CooccurrenceSum:
         self.pages += 1
         if self.max_entries is not None and self.total.nnz > self.max_entries:
             scale = 1.0 / np.sqrt(np.maximum(self.counts, 1).astype(np.float64))
-            self.total = _prune_rows(self.total, self.prune_to, scale)
+            self.total = _prune_rows(self.total, self.prune_to, scale, self.max_entries // 2)
             self.prunes += 1
 
     def matrix(self) -> sparse.csr_matrix:

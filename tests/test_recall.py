@@ -218,8 +218,9 @@ def test_cooccurrence_sum_bound_prunes_rows():
     assert bounded.matrix().nnz < one_shot.nnz
     assert (bounded.counts == exact.counts).all()
 
-    single = CooccurrenceSum(50, window=5, max_entries=10, prune_to=4)
+    single = CooccurrenceSum(50, window=5, max_entries=500, prune_to=4)  # 50 x 4 <= 500 / 2
     single.add(sequences)
+    assert one_shot.nnz > 500 and single.prunes == 1
     assert (np.diff(single.matrix().indptr) <= 4).all()
     scale = 1 / np.sqrt(np.maximum(single.counts, 1))
     dense = one_shot.toarray()
@@ -227,6 +228,35 @@ def test_cooccurrence_sum_bound_prunes_rows():
         columns = np.flatnonzero(dense[row])
         best = columns[np.lexsort((columns, -dense[row, columns] * scale[columns]))][:4]
         assert set(single.matrix()[row].indices) == set(best), row
+
+
+def test_cooccurrence_sum_bound_holds_when_rows_times_prune_to_exceed_it():
+    """Many items (rows x prune_to above the bound): a prune leaves max_entries / 2 pairs,
+    each row its best one (max(1, 100 // 100)), the rest the best by cosine overall, so the
+    next page does not prune again at once."""
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, 50, size=30).tolist() for _ in range(40)]
+    bounded = CooccurrenceSum(50, window=5, max_entries=200, prune_to=4)
+    bounded.add(sequences)
+    matrix = bounded.matrix()
+    assert bounded.prunes == 1 and matrix.nnz == 100
+    per_row = np.diff(matrix.indptr)
+    assert (per_row >= 1).all() and (per_row <= 4).all()
+    dense = cooccurrence_matrix(sequences, 50, window=5).toarray()
+    scale = 1 / np.sqrt(np.maximum(bounded.counts, 1))
+    cosine = dense * scale[:, None] * scale[None, :]
+    best_of_row = []
+    for row in range(50):
+        columns = np.flatnonzero(dense[row])
+        ranked = columns[np.lexsort((columns, -dense[row, columns] * scale[columns]))]
+        best_of_row.append(ranked[0])
+        assert ranked[0] in matrix[row].indices, row  # every row keeps its best
+    # the other 50 kept pairs: none weaker than the strongest one left out (among each row's 4)
+    kept = {(r, c) for r in range(50) for c in matrix[r].indices if c != best_of_row[r]}
+    candidates = {(r, c) for r in range(50) for c in np.flatnonzero(dense[r])
+                  if c != best_of_row[r] and (dense[r] * scale > dense[r, c] * scale[c]).sum() < 4}  # fmt: skip
+    dropped = candidates - kept
+    assert min(cosine[p] for p in kept) >= max(cosine[p] for p in dropped)
 
 
 def test_ann_fit_above_ann_fit_max_items_uses_landmarks(ml100k_sample_store, tmp_path):
