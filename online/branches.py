@@ -368,10 +368,11 @@ def _prune_rows(
     rank_key = matrix.data * column_scale[matrix.indices]
     order = np.lexsort((matrix.indices, -rank_key, rows))
     rank = np.arange(matrix.nnz) - matrix.indptr[rows[order]]
-    kept = order[rank < keep]
+    within = rank < keep
+    kept = order[within]
     if budget is not None and len(kept) > budget:
         floor = max(1, budget // (2 * matrix.shape[0]))
-        first = rank[rank < keep] < floor
+        first = rank[within] < floor
         rest = kept[~first]
         cosine = rank_key[rest] * column_scale[rows[rest]]
         room = max(0, budget - int(first.sum()))
