@@ -34,7 +34,8 @@ import numpy as np
 
 from genrec.infra.settings import get_settings
 from genrec.ingest.synthetic import SyntheticConfig, event_batches
-from genrec.online.branches import AnnBranch, CooccurrenceSum, embeddings_of_cooccurrence
+from genrec.offline.recall import cooccurrence_sums
+from genrec.online.branches import AnnBranch, embeddings_of_cooccurrence
 
 PAGE_USERS = 10_000
 
@@ -87,9 +88,7 @@ def run(args) -> dict:
                              seed=args.seed, text=False)  # fmt: skip
     started = time.perf_counter()
     train, tests = held_out(config)
-    cooccurrence = CooccurrenceSum(args.items, recall.ann_window,
-                                   max_entries=recall.cooccurrence_max_entries,
-                                   prune_to=recall.cooccurrence_prune_to)  # fmt: skip
+    _, cooccurrence = cooccurrence_sums(args.items, recall)  # the ANN sum, as the fit bounds it
     for start in range(0, len(train), PAGE_USERS):
         cooccurrence.add(train[start : start + PAGE_USERS])
     matrix = cooccurrence.matrix()
