@@ -15,3 +15,4 @@ def test_ann_fit_bench_reports_each_fit(tmp_path, capsys):
     assert whole["landmarks"] == "whole catalog" and whole["top50_shared_with_whole"] == 1.0
     assert landmarks["landmarks"] == 100 and 0 <= landmarks["top50_shared_with_whole"] <= 1
     assert 0 <= landmarks["hr_at_10"] <= 1 and report["eval_users"] == 50
+    assert 0 <= report["unseen_rows"] <= landmarks["zero_rows"]

@@ -10,7 +10,8 @@ co-occurrence is summed over the rest as ``fit_store_branches`` sums it (pages, 
 bounds), then for the whole catalog and each landmark count: the fit's seconds, HR@10 of
 the ANN branch (``AnnBranch.fit`` with the production IVF bound) for ``--eval-users``
 held-out users (history excluded), and the share of each user's top-50 that the
-whole-catalog fit also returns.
+whole-catalog fit also returns; and the share of items with no pair at all
+(``unseen_rows``: a zero row under any fit).
 
 Memory: the workload's events (three int64 arrays), the co-occurrence (at most
 ``recall.cooccurrence_max_entries`` pairs) and one fit's items x dim at a time.
@@ -99,6 +100,8 @@ def run(args) -> dict:
               "pairs": int(matrix.nnz), "dim": recall.ann_dim, "eval_users": len(cases),
               "prepare_s": round(time.perf_counter() - started, 1), "fits": []}  # fmt: skip
     print(f"{args.events:,} events, {len(cases)} test users, {matrix.nnz:,} pairs", flush=True)
+    # items with no pair at all: what no fit can place (a zero row whatever the landmarks)
+    report["unseen_rows"] = round(float((np.diff(matrix.indptr) == 0).mean()), 4)
     counts = ([None] if args.whole else []) + args.landmarks
     whole_top = None
     for landmarks in counts:
