@@ -355,18 +355,19 @@ def _prune_rows(
     matrix: sparse.csr_matrix, keep: int, column_scale: np.ndarray, budget: int | None = None
 ) -> sparse.csr_matrix:
     """Each row's ``keep`` largest entries by value x ``column_scale`` (ties: lower column);
-    vectorized (one sort of the entries), for the running sums of ``CooccurrenceSum``.
+    vectorized (``_row_rank_order``, no global sort of the values), for the running sums of
+    ``CooccurrenceSum``.
 
     With ``budget``, when more than that many entries are left, only ``budget`` stay: each
     row's first ``max(1, budget // (2 rows))`` (a rare item keeps its best neighbours), then
     the rest by value x scale[row] x scale[column] (the item-CF cosine, comparable across
-    rows; ties: row, then column). Without it, rows x ``keep`` entries can outgrow any
-    bound (1M items x 400) and every page would prune again.
+    rows; ties: row, then column; a selection, not a sort). Without it, rows x ``keep``
+    entries can outgrow any bound (1M items x 400) and every page would prune again.
     """
     matrix.sum_duplicates()
     rows = np.repeat(np.arange(matrix.shape[0]), np.diff(matrix.indptr))
     rank_key = matrix.data * column_scale[matrix.indices]
-    order = np.lexsort((matrix.indices, -rank_key, rows))
+    order = _row_rank_order(rows, rank_key, matrix.shape[0])
     rank = np.arange(matrix.nnz) - matrix.indptr[rows[order]]
     within = rank < keep
     kept = order[within]
@@ -376,11 +377,59 @@ def _prune_rows(
         rest = kept[~first]
         cosine = rank_key[rest] * column_scale[rows[rest]]
         room = max(0, budget - int(first.sum()))
-        best = np.argsort(-cosine, kind="stable")[:room]  # stable: ties in (row, column) order
-        kept = np.concatenate([kept[first], rest[best]])
-    kept = np.sort(kept)  # back in (row, column) order: still canonical CSR
+        kept = np.concatenate([kept[first], rest[_largest_first(cosine, room)]])
+    mask = np.zeros(matrix.nnz, dtype=bool)
+    mask[kept] = True  # back in (row, column) order: still canonical CSR
+    kept = np.flatnonzero(mask)
     indptr = np.concatenate([[0], np.cumsum(np.bincount(rows[kept], minlength=matrix.shape[0]))])
     return sparse.csr_matrix((matrix.data[kept], matrix.indices[kept], indptr), shape=matrix.shape)
+
+
+def _row_rank_order(rows: np.ndarray, keys: np.ndarray, n_rows: int) -> np.ndarray:
+    """The entries in order of (row, key descending, position): ``np.lexsort((positions,
+    -keys, rows))`` for grouped ``rows`` and keys >= 0, in a fraction of its time.
+
+    A non-negative float's bit pattern orders as the float does, so one int64 per entry
+    holds the row in its high bits and the key's leading bits, inverted, below it. A stable
+    sort of that is fast (the rows are already grouped: it only orders within them) and
+    exact but where two different keys share their leading bits; those few runs are then
+    sorted again on the whole key. Memory: a few int64 per entry.
+    """
+    if not len(keys):
+        return np.zeros(0, dtype=np.int64)
+    if float(keys.min()) < 0:
+        return np.lexsort((np.arange(len(keys)), -keys, rows))
+    # -0.0 has the sign bit set: max(., 0) gives it +0.0's pattern, as it compares equal
+    bits = np.maximum(np.ascontiguousarray(keys, dtype=np.float64).view(np.int64), 0)
+    key_bits = 63 - max(1, int(n_rows - 1).bit_length())
+    packed = ((1 << key_bits) - 1) - (bits >> (63 - key_bits))
+    packed |= rows.astype(np.int64) << key_bits
+    order = np.argsort(packed, kind="stable")
+    packed = packed[order]
+    starts = np.flatnonzero(np.r_[True, packed[1:] != packed[:-1]])
+    del packed
+    sorted_bits = bits[order]
+    mixed = np.minimum.reduceat(sorted_bits, starts) != np.maximum.reduceat(sorted_bits, starts)
+    if mixed.any():
+        lengths = np.diff(np.r_[starts, len(order)])
+        slots = np.flatnonzero(np.repeat(mixed, lengths))
+        run_id = np.repeat(np.flatnonzero(mixed), lengths[mixed])  # aligned with slots
+        members = order[slots]
+        order[slots] = members[np.lexsort((members, -bits[members], run_id))]
+    return order
+
+
+def _largest_first(values: np.ndarray, count: int) -> np.ndarray:
+    """Positions of the ``count`` largest values, ties to the earlier position: the set of
+    ``np.argsort(-values, kind="stable")[:count]``, by a selection (O(n)) instead of a sort."""
+    if count <= 0:
+        return np.zeros(0, dtype=np.int64)
+    if count >= len(values):
+        return np.arange(len(values))
+    threshold = np.partition(values, len(values) - count)[len(values) - count]
+    above = np.flatnonzero(values > threshold)
+    tied = np.flatnonzero(values == threshold)[: count - len(above)]
+    return np.concatenate([above, tied])
 
 
 class CooccurrenceSum:

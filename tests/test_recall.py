@@ -280,3 +280,27 @@ def test_ann_fit_above_ann_fit_max_items_uses_landmarks(ml100k_sample_store, tmp
     unit = expected / np.maximum(np.linalg.norm(expected, axis=1, keepdims=True), 1e-12)
     for got in (stored, memory):  # the branch keeps unit vectors
         np.testing.assert_allclose(got @ got.T, unit @ unit.T, atol=1e-4)
+
+
+@pytest.mark.parametrize("keys_kind", ["integer ties", "distinct", "near ties", "signed zeros"])
+@pytest.mark.parametrize("n_rows", [37, 2**40])  # 2**40: few key bits packed beside the row
+def test_row_rank_order_is_the_lexsort_it_replaces(keys_kind, n_rows):
+    """(row, key descending, position), exactly as np.lexsort gives it: also where keys
+    share their leading bits (near ties) and where the row leaves few bits for the key."""
+    from genrec.online.branches import _largest_first, _row_rank_order
+
+    rng = np.random.default_rng(len(keys_kind))
+    for _ in range(30):
+        n = int(rng.integers(0, 300))
+        rows = np.sort(rng.integers(0, 37, n))
+        keys = {
+            "integer ties": rng.integers(0, 4, n).astype(np.float64),
+            "distinct": rng.random(n),
+            "near ties": rng.random(n).round(1) * (1 + rng.integers(0, 3, n) * 2.0**-50),
+            "signed zeros": np.where(rng.random(n) < 0.3, -0.0, rng.random(n)),
+        }[keys_kind]
+        expected = np.lexsort((np.arange(n), -keys, rows))
+        assert np.array_equal(_row_rank_order(rows, keys, n_rows), expected)
+        count = int(rng.integers(-1, n + 2))
+        best = set(np.argsort(-keys, kind="stable")[: max(count, 0)].tolist())
+        assert set(_largest_first(keys, count).tolist()) == best
