@@ -175,7 +175,8 @@ def test_on_the_broker_a_refused_offset_commit_does_not_set_a_partition_back(
     publisher = None
     try:
         member.subscribe([kafka.topic_events])
-        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 60,
+        # 120 s: a first join waited past 60 s once on a loaded 2-core CI host
+        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 120,
                  "the group member's assignment")  # fmt: skip
         member.commit({p1: OffsetAndMetadata(36, "", -1)})  # P1's other owner moved on
         current = member.group_metadata()
@@ -231,7 +232,8 @@ def test_on_the_broker_offsets_that_name_no_member_are_unfenced_so_they_are_neve
 
     try:
         member.subscribe([kafka.topic_events])
-        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 60,
+        # 120 s: a first join waited past 60 s once on a loaded 2-core CI host
+        wait_for(lambda: member.poll(timeout_ms=200) is not None and member.assignment(), 120,
                  "the group member's assignment")  # fmt: skip
         member.commit({p1: OffsetAndMetadata(36, "", -1)})
         out = member.group_metadata()._replace(generation_id=-1, member_id="")
