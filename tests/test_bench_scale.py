@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,77 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _fake_stages(monkeypatch, failing: set[str]) -> list[str]:
+    """``_run_stage`` replaced by a recorder (stages in ``failing`` fail); no broker."""
+    import contextlib
+
+    import genrec.app.bench.scale as scale
+
+    calls: list[str] = []
+
+    def run_stage(stage, run, n):
+        calls.append(stage.name)
+        figures = {"produced": 7} if stage.name == "replay" else {}
+        return StageResult(stage.name, run.size.label, stage.input_kind, n,
+                           "failed" if stage.name in failing else "ok", seconds=1.0,
+                           figures=figures)  # fmt: skip
+
+    monkeypatch.setattr(scale, "_run_stage", run_stage)
+    monkeypatch.setattr(scale, "kafka_bootstrap",
+                        lambda *_: contextlib.nullcontext("127.0.0.1:1"))  # fmt: skip
+    return calls
+
+
+def test_resume_runs_only_what_failed_and_what_needs_it(monkeypatch, tmp_path: Path) -> None:
+    """--resume on a kept store: stages that were ok are not run again (their rows come back
+    marked resumed), a failed one and its dependants are; the record keeps other stages."""
+    settings = Settings(home=tmp_path, database_url=None)
+    out = tmp_path / "out"
+    size = Size(1, 1, 1)
+    calls = _fake_stages(monkeypatch, failing={"recall"})
+    config = ScaleConfig(sizes=(size,), stages=("eval", "faiss"), keep_stores=True)
+    first = run_scale_bench(settings, config, out)
+    assert calls == ["synthetic", "replay", "ingest", "semantic-ids", "faiss", "recall", "train"]
+    assert {r["stage"]: r["status"] for r in first["rows"]}["eval"] == "skipped"
+    (out / "runs" / "1x1x1" / "data" / "kept").write_text("the store")
+
+    calls = _fake_stages(monkeypatch, failing=set())
+    resumed = run_scale_bench(settings, replace(config, resume=True), out)
+    assert calls == ["recall", "eval"]
+    assert (out / "runs" / "1x1x1" / "data" / "kept").exists()  # the store was not wiped
+    rows = {r["stage"]: r for r in resumed["rows"] if r["part_of"] is None}
+    assert [s for s, r in rows.items() if r["resumed"]] == [
+        "synthetic", "replay", "ingest", "semantic-ids", "faiss", "train"]  # fmt: skip
+    assert all(r["status"] == "ok" for r in rows.values())
+
+    calls = _fake_stages(monkeypatch, failing=set())
+    trie_only = ScaleConfig(sizes=(size,), stages=("trie",), keep_stores=True, resume=True)
+    run_scale_bench(settings, trie_only, out)
+    assert calls == ["trie"]
+    record = json.loads((out / "runs" / "1x1x1" / "stages.json").read_text())
+    assert {"eval", "recall", "faiss", "trie"} <= {r["stage"] for r in record["rows"]}
+
+    calls = _fake_stages(monkeypatch, failing=set())
+    run_scale_bench(settings, ScaleConfig(sizes=(size,), stages=("trie",), keep_stores=True), out)
+    assert calls == ["synthetic", "replay", "ingest", "semantic-ids", "trie"]  # fresh: all
+
+
+def test_resume_replays_with_ingest_and_refuses_other_flags(monkeypatch, tmp_path: Path) -> None:
+    """Replay is reused only with ingest (its topic was on the earlier run's broker); a store
+    made with other flags is not resumed; without a kept store a resume starts fresh."""
+    from genrec.app.bench.scale import ResumeMismatch
+
+    settings = Settings(home=tmp_path, database_url=None)
+    out = tmp_path / "out"
+    config = ScaleConfig(sizes=(Size(1, 1, 1),), stages=("semantic-ids",), keep_stores=True,
+                         resume=True)  # fmt: skip
+    calls = _fake_stages(monkeypatch, failing={"ingest"})
+    run_scale_bench(settings, config, out)  # nothing kept yet: a fresh store
+    assert calls == ["synthetic", "replay", "ingest"]
+    calls = _fake_stages(monkeypatch, failing=set())
+    run_scale_bench(settings, config, out)
+    assert calls == ["replay", "ingest", "semantic-ids"]
+    with pytest.raises(ResumeMismatch, match="text True there, False now"):
+        run_scale_bench(settings, replace(config, text=False), out)

@@ -526,6 +526,11 @@ def _register_scale(bench: argparse._SubParsersAction) -> None:
     scale.add_argument(
         "--keep-stores", action="store_true", help="keep each size's store and Parquet files"
     )
+    scale.add_argument(
+        "--resume", action="store_true",
+        help="run each size on its store kept by an earlier --keep-stores run in the same "
+        "--out, skipping the stages that were ok there (implies --keep-stores)",
+    )  # fmt: skip
     scale.add_argument("--seed", type=int, default=0)
     scale.add_argument("--out", type=Path, default=None, help="default: var/bench/scale")
     scale.add_argument("--json", type=Path, default=None, help="default: OUT/scale.json")
@@ -541,6 +546,7 @@ def _register_scale(bench: argparse._SubParsersAction) -> None:
 def _bench_scale(args: argparse.Namespace) -> int:
     from genrec.app.bench.scale import (
         DEFAULT_SIZES,
+        ResumeMismatch,
         ScaleConfig,
         merge_reports,
         parse_sizes,
@@ -561,10 +567,14 @@ def _bench_scale(args: argparse.Namespace) -> int:
         sizes=sizes, stages=stages, text=not args.no_text, preset=args.preset,
         train_max_steps=args.train_max_steps, eval_users=args.eval_users or None,
         serve_batch=args.serve_batch, stage_timeout_s=args.stage_timeout_s,
-        seed=args.seed, kafka=args.kafka, keep_stores=args.keep_stores,
+        seed=args.seed, kafka=args.kafka, keep_stores=args.keep_stores or args.resume,
+        resume=args.resume,
     )  # fmt: skip
     out_dir = (args.out or settings.path("bench", "scale")).resolve()
-    report = run_scale_bench(settings, config, out_dir)
+    try:
+        report = run_scale_bench(settings, config, out_dir)
+    except ResumeMismatch as exc:
+        raise UserFacingError(f"bench scale: {exc}") from exc
     json_path = args.json or out_dir / "scale.json"
     if args.append and json_path.exists():
         report = merge_reports(json.loads(json_path.read_text()), report)

@@ -23,6 +23,13 @@ own (on a private local broker started for the run unless ``kafka='configured'``
 ``genrec ingest --exit-when-idle`` consumes it into the store; the stage checks that the
 store holds every produced event.
 
+With ``keep_stores`` each size's folder also holds ``stages.json``, its rows so far, written
+after every stage; ``resume`` (``--resume``) runs a size on that kept store again and skips
+the stages that were ok there, unless a stage they need runs again now (a stage that
+failed, timed out or was not asked for then). Replay is re-run with ingest, whose topic
+lived on the earlier run's broker. The resumed rows keep their earlier figures and say so
+(``resumed``); the flags the figures depend on (text, seed, preset, ...) must match.
+
 Cost: the bench itself holds one size's figures; the stages cost what they cost, which is
 what it measures. Disk: one size's store and Parquet at a time (removed after the size
 unless ``keep_stores``), plus the broker's log of every size's topic.
@@ -31,6 +38,7 @@ Example::
 
     $ genrec bench scale --sizes 2k:5k:50k,20k:50k:500k --no-text --preset tiny
     $ genrec bench scale --stages synthetic,ingest,semantic-ids --sizes 10k:10k:200k
+    $ genrec bench scale --sizes 1M:1M:20M --keep-stores --resume   # again after a failure
 """
 
 from __future__ import annotations
@@ -211,6 +219,7 @@ class ScaleConfig:
     seed: int = 0
     kafka: str = "local"  # local: a private broker for the run; configured: settings.kafka
     keep_stores: bool = False
+    resume: bool = False  # a size's kept store: its stages that were ok are not run again
 
 
 @dataclass
@@ -234,6 +243,7 @@ class StageResult:
     error: str | None = None
     note: str | None = None
     part_of: str | None = None  # a row read from another stage's timings
+    resumed: bool = False  # measured by an earlier run on the same kept store (``resume``)
 
 
 # --- running one process -----------------------------------------------------------------
@@ -375,6 +385,7 @@ class SizeRun:
     database_url: str
     drop_database: Callable[[], None] | None = None
     produced: int | None = None
+    earlier: list[StageResult] = field(default_factory=list)  # the kept store's record
 
     @property
     def data_dir(self) -> Path:
@@ -431,9 +442,12 @@ def stage_command(stage: str, run: SizeRun) -> list[str]:
 
 
 def run_size(run: SizeRun, stages: Sequence[Stage]) -> list[StageResult]:
-    """Every stage at one size, in order; a failed stage's dependants are skipped."""
+    """Every stage at one size, in order; a failed stage's dependants are skipped. On a
+    resumed store, a stage that was ok before is not run again unless one it needs ran now.
+    The size's record (``stages.json``) is rewritten after every stage."""
     results: list[StageResult] = []
     done: set[str] = set()
+    ran: set[str] = set()
     for stage in stages:
         missing = [need for need in stage.needs if need not in done]
         n = run.size.of(stage.input_kind)
@@ -443,12 +457,102 @@ def run_size(run: SizeRun, stages: Sequence[Stage]) -> list[StageResult]:
             print(f"scale {run.size.label}: {stage.name} skipped (needs {', '.join(missing)})",
                   flush=True)  # fmt: skip
             continue
+        earlier = reusable_rows(stage, run.earlier, ran)
+        if earlier:
+            results.extend(earlier)
+            done.add(stage.name)
+            if stage.name == "replay":
+                run.produced = earlier[0].figures.get("produced")
+            print(f"scale {run.size.label}: {stage.name} ok in an earlier run "
+                  f"({earlier[0].seconds or 0:.1f} s), not run again (--resume)", flush=True)  # fmt: skip
+            continue
         result = _run_stage(stage, run, n)
+        ran.add(stage.name)
         results.append(result)
         results.extend(_part_rows(stage, run, result))
         if result.status == "ok":
             done.add(stage.name)
+        save_size_record(run, results, ran)
     return results
+
+
+# --- resuming a kept store ---------------------------------------------------------------
+
+RECORD_NAME = "stages.json"
+# The flags a kept store's results depend on: resuming under other values would mix runs.
+RESUME_FLAGS = ("text", "seed", "preset", "train_max_steps", "eval_users", "serve_batch",
+                "serve_batches")  # fmt: skip
+
+
+class ResumeMismatch(ValueError):
+    """A kept store was made with other flags than the run that would resume it."""
+
+
+def reusable_rows(stage: Stage, earlier: Sequence[StageResult], ran: set[str]) -> list[StageResult]:
+    """``stage``'s rows (its own and its parts) from the kept store's record, marked
+    resumed, when it was ok there and nothing it needs ran again now; else none. Replay
+    counts as ok only with ingest: its topic lived on the earlier run's broker."""
+    if any(need in ran for need in stage.needs):
+        return []
+    ok = {row.stage for row in earlier if row.status == "ok" and row.part_of is None}
+    if stage.name not in ok or (stage.name == "replay" and "ingest" not in ok):
+        return []
+    rows = [row for row in earlier if stage.name in (row.stage, row.part_of)]
+    return [StageResult(**{**asdict(row), "resumed": True}) for row in rows]
+
+
+def save_size_record(run: SizeRun, results: Sequence[StageResult], ran: set[str]) -> None:
+    """The size's rows so far, plus the earlier record's rows of stages this run has not
+    reached that nothing run now invalidates, written atomically beside the store."""
+    now = {row.stage for row in results} | {row.part_of for row in results if row.part_of}
+    stale = _dependants(ran)
+    kept = [row for row in run.earlier
+            if (row.part_of or row.stage) not in now and (row.part_of or row.stage) not in stale]  # fmt: skip
+    record = {
+        "size": run.size.label,
+        "flags": {name: getattr(run.config, name) for name in RESUME_FLAGS},
+        "postgres_database": _postgres_name(run.database_url),
+        "rows": [asdict(row) for row in [*kept, *results]],
+    }
+    path = run.root / RECORD_NAME
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record, indent=1, default=str))
+    os.replace(temporary, path)
+
+
+def _postgres_name(url: str) -> str | None:
+    """The database of a PostgreSQL URL (the record names it, never the URL's credentials)."""
+    if not url.startswith("postgresql"):
+        return None
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).database
+
+
+def _dependants(names: set[str]) -> set[str]:
+    """Every stage that needs one of ``names``, directly or through others."""
+    found = set(names)
+    for stage in STAGES:  # pipeline order: a stage's needs come before it
+        if found.intersection(stage.needs):
+            found.add(stage.name)
+    return found
+
+
+def load_size_record(root: Path, config: ScaleConfig) -> dict[str, Any] | None:
+    """The kept store's record at ``root`` (None when there is no kept store to resume);
+    ``ResumeMismatch`` when it was made with other flags."""
+    path = root / RECORD_NAME
+    if not path.exists() or not (root / "data").exists():
+        return None
+    record = json.loads(path.read_text())
+    flags = {name: getattr(config, name) for name in RESUME_FLAGS}
+    kept = record.get("flags", {})
+    differ = {k: (kept.get(k), v) for k, v in flags.items() if kept.get(k) != v}
+    if differ:
+        detail = ", ".join(f"{k} {old!r} there, {new!r} now" for k, (old, new) in differ.items())
+        raise ResumeMismatch(f"{root}: the kept store was made with other flags ({detail}); "
+                             "run with the same flags, or without --resume for a fresh store")  # fmt: skip
+    return record
 
 
 def _run_stage(stage: Stage, run: SizeRun, n: int) -> StageResult:
@@ -578,14 +682,18 @@ def _part_rows(stage: Stage, run: SizeRun, parent: StageResult) -> list[StageRes
 
 def size_run(settings, config: ScaleConfig, size: Size, index: int, root: Path,
              bootstrap: str) -> SizeRun:  # fmt: skip
-    """A fresh folder (and database) for one size, and the environment its stages run in."""
-    if root.exists():
+    """A fresh folder (and database) for one size, and the environment its stages run in;
+    with ``config.resume``, the size's kept store and its record where there is one."""
+    record = load_size_record(root, config) if config.resume else None
+    if record is None and root.exists():
         shutil.rmtree(root)
-    (root / "data").mkdir(parents=True)
+    (root / "data").mkdir(parents=True, exist_ok=True)
     configured = str(settings.database_url)
     drop = None
     if configured.startswith("postgresql"):
-        url, drop = _fresh_postgres_database(configured, f"genrec_scale_{index}_{os.getpid()}")
+        name = (record or {}).get("postgres_database")
+        url, drop = _postgres_database(configured, name or f"genrec_scale_{index}_{os.getpid()}",
+                                       create=name is None)  # fmt: skip
     else:
         url = f"sqlite:///{root / 'data' / 'genrec.db'}"
     tag = f"scale-{os.getpid()}-{index}"
@@ -600,7 +708,8 @@ def size_run(settings, config: ScaleConfig, size: Size, index: int, root: Path,
         "GENREC_KAFKA__TOPIC_DLQ": f"genrec.{tag}.user-events.dlq",
         "PYTHONUNBUFFERED": "1",
     }
-    return SizeRun(size, index, root, env, config, url, drop)
+    earlier = [StageResult(**row) for row in (record or {}).get("rows", [])]
+    return SizeRun(size, index, root, env, config, url, drop, earlier=earlier)
 
 
 def _passed_settings() -> dict[str, str]:
@@ -611,14 +720,16 @@ def _passed_settings() -> dict[str, str]:
             if k.startswith("GENREC_") and not k.startswith(own)}  # fmt: skip
 
 
-def _fresh_postgres_database(url: str, name: str) -> tuple[str, Callable[[], None]]:
-    """A new empty database on the configured server, and how to drop it."""
+def _postgres_database(url: str, name: str, create: bool = True) -> tuple[str, Callable[[], None]]:
+    """Database ``name`` on the configured server (a new empty one when ``create``; else a
+    kept one), and how to drop it."""
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
     server = create_engine(make_url(url), isolation_level="AUTOCOMMIT")
-    with server.connect() as connection:
-        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    if create:
+        with server.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
 
     def drop() -> None:
         with server.connect() as connection:
@@ -715,6 +826,7 @@ def _run_sizes(settings, config: ScaleConfig, out_dir: Path) -> dict[str, Any]:
                 if not config.keep_stores:
                     shutil.rmtree(run.data_dir, ignore_errors=True)
                     shutil.rmtree(run.parquet_dir, ignore_errors=True)
+                    (root / RECORD_NAME).unlink(missing_ok=True)  # nothing left to resume
                 if run.drop_database is not None and not config.keep_stores:
                     run.drop_database()
     return build_report(config, stages, results, started)
