@@ -195,6 +195,7 @@ def test_a_tiny_size_through_the_real_commands(kafka_broker, tmp_path: Path) -> 
     assert rows["ingest"]["figures"]["stored_events"] > 4_000
     assert rows["recall"]["disk_bytes"] > rows["synthetic"]["disk_bytes"]
     assert not (tmp_path / "out" / "runs" / "300x500x5k" / "data").exists()  # not kept
+    assert not (tmp_path / "out" / "runs" / "300x500x5k" / "stages.json").exists()
     assert (tmp_path / "out" / "runs" / "300x500x5k" / "logs" / "ingest.log").exists()
 
 

@@ -31,6 +31,8 @@ def test_ivf_above_threshold_keeps_recall():
     vectors = unit(5000)
     index = build_item_index(vectors, exact_max_items=1000, nprobe=32)
     assert "IVF" in index.__class__.__name__
+    # k-means sampled 64 items a list (128 lists: 8,192 > 5,000, so here every item)
+    assert index.cp.max_points_per_centroid == 64
     queries = vectors[:50] + 0.05 * unit(50, seed=2)
     _, rows = index.search(queries, 10)
     _, exact = brute_force_topk(vectors, queries, 10)

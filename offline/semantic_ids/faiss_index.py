@@ -1,8 +1,9 @@
 """FAISS indexes over item embeddings and codebooks (offline step: item tokenization).
 
 - ``build_item_index``: inner product (= cosine on unit vectors) over the item
-  embeddings, exact up to ``index_exact_max_items`` items and IVF above; moved to
-  the GPU when a GPU build of FAISS sees one. The ANN recall branch searches it.
+  embeddings, exact up to ``index_exact_max_items`` items and IVF above (k-means on a
+  sample of 64 items a list); moved to the GPU when a GPU build of FAISS sees one. The
+  ANN recall branch searches it.
 - ``residual_codes``: nearest-codeword assignment level by level with exact L2
   indexes over the RQ-VAE codebooks; gives each item its codes and its ranked
   last-level candidates (used for new items on a refresh and on full builds).
@@ -31,6 +32,13 @@ def gpu_available() -> bool:
     return hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
 
 
+# k-means trains on at most this many items a list (a seeded sample). FAISS's default, 256,
+# means every item up to ~1M, so training cost n x nlist x dim grew as n^1.5 (nlist ~ 4 sqrt n);
+# with a fixed number a list it is 64 x nlist^2 x dim, linear in n. Adding the items to their
+# lists stays n x nlist x dim: the part of the build that still grows as n^1.5 (docs/scale.md).
+IVF_TRAIN_POINTS_PER_LIST = 64
+
+
 def build_item_index(
     vectors: np.ndarray, *, exact_max_items: int = 50_000, nprobe: int = 16, kind: str = "auto"
 ) -> faiss.Index:
@@ -45,6 +53,7 @@ def build_item_index(
         # ~4 sqrt(n) lists, but at least 39 training points per list (FAISS's own minimum)
         nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        index.cp.max_points_per_centroid = IVF_TRAIN_POINTS_PER_LIST
         index.train(vectors)
         index.nprobe = min(nprobe, nlist)
     else:
