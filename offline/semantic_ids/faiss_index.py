@@ -40,7 +40,12 @@ IVF_TRAIN_POINTS_PER_LIST = 64
 
 
 def build_item_index(
-    vectors: np.ndarray, *, exact_max_items: int = 50_000, nprobe: int = 16, kind: str = "auto"
+    vectors: np.ndarray,
+    *,
+    exact_max_items: int = 50_000,
+    nprobe: int = 16,
+    kind: str = "auto",
+    train_points_per_list: int = IVF_TRAIN_POINTS_PER_LIST,
 ) -> faiss.Index:
     """``kind``: "flat" (exact), "ivf", or "auto" (flat up to ``exact_max_items`` items)."""
     vectors = np.ascontiguousarray(vectors, dtype=np.float32)
@@ -50,15 +55,21 @@ def build_item_index(
     if kind == "flat":
         index = faiss.IndexFlatIP(dim)
     elif kind == "ivf":
-        # ~4 sqrt(n) lists, but at least 39 training points per list (FAISS's own minimum)
-        nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        index.cp.max_points_per_centroid = IVF_TRAIN_POINTS_PER_LIST
+        index = untrained_ivf(n, dim, train_points_per_list)
         index.train(vectors)
-        index.nprobe = min(nprobe, nlist)
+        index.nprobe = min(nprobe, index.nlist)
     else:
         raise ValueError(f"unknown index kind {kind!r}: flat, ivf or auto")
     index.add(vectors)
+    return index
+
+
+def untrained_ivf(n: int, dim: int, train_points_per_list: int) -> faiss.IndexIVFFlat:
+    """The inner-product IVF index for ``n`` items, before k-means: ~4 sqrt(n) lists, but at
+    least 39 training points a list (FAISS's own minimum)."""
+    nlist = max(1, min(int(4 * math.sqrt(n)), n // 39))
+    index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+    index.cp.max_points_per_centroid = train_points_per_list
     return index
 
 
