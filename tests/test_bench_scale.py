@@ -330,3 +330,8 @@ def test_resume_replays_with_ingest_and_refuses_other_flags(monkeypatch, tmp_pat
     assert calls == ["replay", "ingest", "semantic-ids"]
     with pytest.raises(ResumeMismatch, match="text True there, False now"):
         run_scale_bench(settings, replace(config, text=False), out)
+    (out / "runs" / "1x1x1" / "stages.json").unlink()  # a store kept before records were
+    (out / "runs" / "1x1x1" / "data" / "genrec.db").write_text("the store")
+    with pytest.raises(ResumeMismatch, match="without a record"):
+        run_scale_bench(settings, config, out)
+    assert (out / "runs" / "1x1x1" / "data").exists()  # and it is left as it was

@@ -541,8 +541,14 @@ def _dependants(names: set[str]) -> set[str]:
 def load_size_record(root: Path, config: ScaleConfig) -> dict[str, Any] | None:
     """The kept store's record at ``root`` (None when there is no kept store to resume);
     ``ResumeMismatch`` when it was made with other flags."""
-    path = root / RECORD_NAME
-    if not path.exists() or not (root / "data").exists():
+    path, data = root / RECORD_NAME, root / "data"
+    if not path.exists():
+        if data.exists() and any(data.iterdir()):  # a store from before records were kept
+            raise ResumeMismatch(f"{root}: a store without a record of its stages "
+                                 f"({RECORD_NAME}) cannot be resumed; move it away, or run "
+                                 "without --resume to start this size afresh")  # fmt: skip
+        return None
+    if not data.exists():
         return None
     record = json.loads(path.read_text())
     flags = {name: getattr(config, name) for name in RESUME_FLAGS}
