@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -678,8 +678,33 @@ def cooccurrence_embeddings(
     """
     index = {item: i for i, item in enumerate(item_ids)}
     cooccurrence = CooccurrenceSum(len(item_ids), window)
-    cooccurrence.add([[index[i] for i in seq if i in index] for seq in sequences.values()])
+    encoded = ([index[i] for i in seq if i in index] for seq in sequences.values())
+    for page in pages_of_sequences(encoded, COOCCURRENCE_PAGE_EVENTS):
+        cooccurrence.add(page)
     return embeddings_of_cooccurrence(cooccurrence.matrix(), dim, dense_max_items, fit_max_items)
+
+
+# Events whose pairs one page of ``cooccurrence_embeddings`` builds at a time. The pairs cost
+# ~1-3 KB an event while they are built (window 20, both directions, three arrays and the
+# CSR conversion), so the 2M-event window of a 1M-item store, summed at once, held ~7 GB;
+# pages of users sum to the same matrix (a single page, e.g. ML-100K, bit for bit).
+COOCCURRENCE_PAGE_EVENTS = 250_000
+
+
+def pages_of_sequences(
+    sequences: Iterable[Sequence[int]], page_events: int
+) -> Iterator[list[Sequence[int]]]:
+    """Whole sequences in pages of about ``page_events`` events (a longer one alone)."""
+    page: list[Sequence[int]] = []
+    events = 0
+    for sequence in sequences:
+        page.append(sequence)
+        events += len(sequence)
+        if events >= page_events:
+            yield page
+            page, events = [], 0
+    if page:
+        yield page
 
 
 def embeddings_of_cooccurrence(

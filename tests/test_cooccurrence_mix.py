@@ -87,3 +87,36 @@ def test_the_cooccurrence_part_above_fit_max_items_is_the_landmark_fit():
     unit = landmarks[seen] / np.linalg.norm(landmarks[seen], axis=1, keepdims=True)
     part = bounded[seen][:, -3:]  # weight 1: the rows are the co-occurrence part alone
     np.testing.assert_allclose(part @ part.T, unit @ unit.T, atol=1e-5)
+
+
+def test_blocks_and_pages_give_the_one_shot_vectors(monkeypatch):
+    """Issue #19 (memory at 1M items): the co-occurrence summed in pages of users, the ridge
+    map's normal equations in blocks of rows and the mix in blocks of rows give the vectors
+    of doing each at once (pages and row-wise blocks bit for bit; the map to rounding)."""
+    from genrec.offline.semantic_ids import cooccurrence_mix, embeddings
+    from genrec.online import branches
+
+    rng = np.random.default_rng(3)
+    items = [f"i{k}" for k in range(300)]
+    sequences = {f"u{u}": [items[j] for j in rng.zipf(1.3, rng.integers(2, 30)) % 300]
+                 for u in range(400)}  # fmt: skip
+    text = rng.standard_normal((300, 24)).astype(np.float32)
+    once, once_mix = mix_cooccurrence(items, text, sequences, weight=0.4, dim=8)
+    monkeypatch.setattr(branches, "COOCCURRENCE_PAGE_EVENTS", 50)
+    monkeypatch.setattr(embeddings, "PROJECTION_BLOCK_ROWS", 7)
+    monkeypatch.setattr(cooccurrence_mix, "MIX_BLOCK_ROWS", 11)
+    paged, paged_mix = mix_cooccurrence(items, text, sequences, weight=0.4, dim=8)
+    assert np.allclose(paged_mix.projection, once_mix.projection, atol=1e-5)
+    assert np.allclose(paged, once, atol=1e-5)
+    mix = CooccurrenceMix(0.4, once_mix.projection)
+    in_blocks = mix.vectors(text)  # 11 rows at a time
+    monkeypatch.setattr(cooccurrence_mix, "MIX_BLOCK_ROWS", 1 << 16)
+    assert np.array_equal(in_blocks, mix.vectors(text))  # row by row: exact
+
+
+def test_pages_of_sequences_keep_users_whole():
+    from genrec.online.branches import pages_of_sequences
+
+    pages = list(pages_of_sequences([[1, 2], [3], [4, 5, 6, 7], [8]], page_events=3))
+    assert pages == [[[1, 2], [3]], [[4, 5, 6, 7]], [[8]]]
+    assert list(pages_of_sequences([], page_events=3)) == []

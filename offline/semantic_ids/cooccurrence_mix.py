@@ -43,6 +43,7 @@ from genrec.offline.semantic_ids.embeddings import fit_projection
 from genrec.online.branches import cooccurrence_embeddings, normalize_rows
 
 MIX_FILE = "cooccurrence_mix.safetensors"
+MIX_BLOCK_ROWS = 65_536  # rows mixed at a time (``CooccurrenceMix.vectors``)
 
 
 @dataclass
@@ -66,14 +67,23 @@ class CooccurrenceMix:
         return cls(float(tensors["weight"][0]), tensors["projection"])
 
     def vectors(self, text: np.ndarray, cooccurrence: np.ndarray | None = None) -> np.ndarray:
-        """Mixed unit rows; rows of ``cooccurrence`` that are zero (or all, if None) are mapped."""
+        """Mixed unit rows; rows of ``cooccurrence`` that are zero (or all, if None) are mapped.
+
+        Every step is row by row, so the rows are mixed a block at a time into the output
+        (the same floats as whole arrays; at 1M x 384 the whole-array temporaries were
+        four copies of the output)."""
         mapped = text @ self.projection
         if cooccurrence is not None:
             seen = np.linalg.norm(cooccurrence, axis=1) > 1e-8
             mapped[seen] = cooccurrence[seen]
-        parts = [np.sqrt(1 - self.weight) * normalize_rows(text)]
-        parts.append(np.sqrt(self.weight) * _unit_or_zero(mapped))
-        return normalize_rows(np.concatenate(parts, axis=1))
+        width = text.shape[1]
+        out = np.empty((len(text), width + mapped.shape[1]), dtype=np.float32)
+        for start in range(0, len(text), MIX_BLOCK_ROWS):
+            block = slice(start, start + MIX_BLOCK_ROWS)
+            out[block, :width] = np.sqrt(1 - self.weight) * normalize_rows(text[block])
+            out[block, width:] = np.sqrt(self.weight) * _unit_or_zero(mapped[block])
+            out[block] = normalize_rows(out[block])
+        return out
 
 
 def mix_cooccurrence(
@@ -101,8 +111,10 @@ def mix_cooccurrence(
     seen = np.linalg.norm(cooccurrence, axis=1) > 1e-8
     if seen.sum() < 2:
         return normalize_rows(text), None
-    target = normalize_rows(cooccurrence[seen])
-    projection = fit_projection(text[seen].astype(np.float64), target.astype(np.float64))
+    target = np.zeros_like(cooccurrence)  # items x dim: small beside text's items x 384
+    target[seen] = normalize_rows(cooccurrence[seen])
+    projection = fit_projection(text, target, rows=np.flatnonzero(seen), dtype=np.float64)
+    del target
     mix = CooccurrenceMix(float(weight), projection.astype(np.float32))
     return mix.vectors(text, normalize_rows(cooccurrence) * seen[:, None]), mix
 

@@ -304,10 +304,34 @@ def behavior_vectors(
     return out
 
 
-def fit_projection(behavior: np.ndarray, text: np.ndarray, ridge: float = 1.0) -> np.ndarray:
-    """Ridge regression W minimizing |behavior @ W - text|^2 + ridge |W|^2."""
-    gram = behavior.T @ behavior + ridge * np.eye(behavior.shape[1], dtype=np.float64)
-    return np.linalg.solve(gram, behavior.T @ text).astype(np.float32)
+# Rows of the regression's inputs read (and cast) at a time: the products are summed over
+# blocks, so a 1M x 384 input is never copied whole (3 GB in float64).
+PROJECTION_BLOCK_ROWS = 65_536
+
+
+def fit_projection(
+    behavior: np.ndarray,
+    text: np.ndarray,
+    ridge: float = 1.0,
+    *,
+    rows: np.ndarray | None = None,
+    dtype: type | None = None,
+) -> np.ndarray:
+    """Ridge regression W minimizing |behavior @ W - text|^2 + ridge |W|^2, over ``rows``
+    only (default: all), products in ``dtype`` (default: the inputs'). The normal equations
+    are summed a block of rows at a time; up to ``PROJECTION_BLOCK_ROWS`` rows that is one
+    block, the same products as the whole arrays'."""
+    rows = np.arange(len(behavior)) if rows is None else np.asarray(rows)
+    gram = rhs = None
+    for start in range(0, max(len(rows), 1), PROJECTION_BLOCK_ROWS):
+        block = rows[start : start + PROJECTION_BLOCK_ROWS]
+        x, y = behavior[block], text[block]
+        if dtype is not None:
+            x, y = x.astype(dtype, copy=False), y.astype(dtype, copy=False)
+        gram = x.T @ x if gram is None else gram + x.T @ x
+        rhs = x.T @ y if rhs is None else rhs + x.T @ y
+    gram = gram + ridge * np.eye(behavior.shape[1], dtype=np.float64)
+    return np.linalg.solve(gram, rhs).astype(np.float32)
 
 
 def hash_vector(item_id: str, dim: int) -> np.ndarray:
