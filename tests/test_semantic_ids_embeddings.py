@@ -1,6 +1,7 @@
 """Item text rendering, the embedding cache and behavior embeddings (fast, no text model)."""
 
 import numpy as np
+import pytest
 from sqlalchemy import insert
 
 from genrec.infra.database import make_engine
@@ -33,12 +34,43 @@ def test_template_rendering_and_missing_text():
 
 def test_embedding_cache_is_keyed_by_model_and_text(tmp_path):
     cache = EmbeddingCache(tmp_path, "model-a")
-    cache.vectors[cache.key("hello")] = np.ones(4, np.float32)
+    cache.add([cache.key("hello")], np.ones((1, 4), np.float32))
     cache.save()
     again = EmbeddingCache(tmp_path, "model-a")
-    assert np.array_equal(again.vectors[again.key("hello")], np.ones(4, np.float32))
+    assert np.array_equal(again.vectors_of([again.key("hello")]), np.ones((1, 4), np.float32))
     assert again.key("hello") != EmbeddingCache(tmp_path, "model-b").key("hello")
-    assert not EmbeddingCache(tmp_path, "model-b").vectors  # another model: its own file
+    assert not EmbeddingCache(tmp_path, "model-b").rows  # another model: its own file
+    # one block: rows appended in order, read back in any order, keys only once
+    again.add([again.key("a"), again.key("b")], np.array([[2.0] * 4, [3.0] * 4], np.float32))
+    keys = [again.key(t) for t in ("b", "hello", "a", "b")]
+    assert again.vectors_of(keys)[:, 0].tolist() == [3.0, 1.0, 2.0, 3.0]
+    assert again.block.shape == (3, 4)
+    with pytest.raises(ValueError, match="new and distinct"):
+        again.add([again.key("a")], np.zeros((1, 4), np.float32))
+    again.save()
+    reloaded = EmbeddingCache(tmp_path, "model-a")
+    assert reloaded.vectors_of(keys)[:, 0].tolist() == [3.0, 1.0, 2.0, 3.0]
+
+
+def test_embed_texts_fills_the_cache_once_in_text_order(tmp_path, monkeypatch):
+    """Embedded shortest first, returned in the caller's order; a second call embeds nothing."""
+    from genrec.offline.semantic_ids import embeddings
+
+    seen: list[list[str]] = []
+
+    def encode(model, texts):
+        seen.append(list(texts))
+        return np.array([[len(t), ord(t[0])] for t in texts], np.float32)
+
+    monkeypatch.setattr(embeddings, "load_text_encoder", lambda name: None)
+    monkeypatch.setattr(embeddings, "encode_text_batch", encode)
+    texts = ["ccc", "a", "bb", "a", "dddd"]
+    vectors, new = embeddings.embed_texts(texts, "m", tmp_path, batch_size=2, progress=False)
+    assert new == 4 and seen == [["a", "bb"], ["ccc", "dddd"]]
+    assert vectors[:, 0].tolist() == [3, 1, 2, 1, 4] and vectors.dtype == np.float32
+    again, new = embeddings.embed_texts(texts[::-1], "m", tmp_path, progress=False)
+    assert new == 0 and len(seen) == 2
+    assert np.array_equal(again, vectors[::-1])
 
 
 def test_behavior_embeddings_fold_in_and_hash_fallback(tmp_path):
