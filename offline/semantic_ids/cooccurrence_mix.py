@@ -116,6 +116,8 @@ def mix_cooccurrence(
     projection = fit_projection(text, target, rows=np.flatnonzero(seen), dtype=np.float64)
     del target
     mix = CooccurrenceMix(float(weight), projection.astype(np.float32))
+    # normalized again over the whole array, not reused from above: np.linalg.norm's rounding
+    # depends on the array's shape, and these are the floats earlier builds mixed
     return mix.vectors(text, normalize_rows(cooccurrence) * seen[:, None]), mix
 
 
