@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from genrec.offline.semantic_ids import rqvae
 from genrec.offline.semantic_ids.rqvae import (
     RQVAE,
     DedupOverflowError,
@@ -178,3 +179,19 @@ def test_capacity_codes_cap_each_prefix_nearest_first():
 def test_bad_embeddings_are_refused():
     with pytest.raises(ValueError, match="embeddings must be"):
         train_rqvae(np.zeros((10, 5), np.float32), RQVAEConfig(input_dim=4), progress=False)
+
+
+def test_inference_in_blocks_matches_one_pass(monkeypatch):
+    """Latents and the reconstruction error over blocks of rows (the build's bounded memory
+    at 1M items) equal one pass over all rows, up to float rounding of the batch shapes."""
+    x = torch.from_numpy(clustered())
+    torch.manual_seed(0)
+    model = RQVAE(RQVAEConfig(input_dim=16, latent_dim=8, hidden_dims=(32,), codes_per_level=16))
+    with torch.no_grad():
+        model.codebooks.normal_()
+        one_pass_latents, one_pass_mse = model.encoder(x), float(model(x)[3])
+    assert torch.equal(model.latents(x), one_pass_latents)  # one block: the same floats
+    assert model.reconstruction_loss(x) == one_pass_mse
+    monkeypatch.setattr(rqvae, "INFERENCE_BLOCK_ROWS", 7)  # 600 rows: 86 blocks, the last short
+    assert torch.allclose(model.latents(x), one_pass_latents, atol=1e-6)
+    assert abs(model.reconstruction_loss(x) - one_pass_mse) <= 1e-6 * one_pass_mse

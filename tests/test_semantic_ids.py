@@ -263,3 +263,26 @@ def test_cli_writes_json_summary(built, tmp_path, monkeypatch):
     assert summary["n_items"] == summary["n_unique_ids"] == 1682
     assert summary["stability"] == 1.0 and len(summary["codebook_usage"]) == 4
     assert Path(summary["codebook_usage_png"]).exists()
+
+
+def test_mean_pair_cosine_is_the_mean_over_pairs_in_a_group(monkeypatch):
+    """The closed form summed a block of rows at a time equals enumerating the pairs."""
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((40, 5)).astype(np.float32)
+    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+    groups = rng.integers(0, 4, 40)
+    cosines = [
+        float(vectors[a].astype(np.float64) @ vectors[b])
+        for a in range(40)
+        for b in range(40)
+        if a != b and groups[a] == groups[b]
+    ]
+    expected = sum(cosines) / len(cosines)
+    assert sid.mean_pair_cosine(vectors, groups) == pytest.approx(
+        expected, abs=1e-6
+    )  # float32 norms
+    monkeypatch.setattr(sid, "INFERENCE_BLOCK_ROWS", 6)
+    assert sid.mean_pair_cosine(vectors, groups) == pytest.approx(
+        expected, abs=1e-6
+    )  # float32 norms
+    assert sid.mean_pair_cosine(vectors, np.arange(40)) is None  # no group holds a pair

@@ -65,6 +65,7 @@ from genrec.offline.semantic_ids.faiss_index import (
     save_index,
 )
 from genrec.offline.semantic_ids.rqvae import (
+    INFERENCE_BLOCK_ROWS,
     RQVAE,
     RQVAEConfig,
     assign_balanced_ids,
@@ -378,8 +379,7 @@ def _assign_ids(
     """(unique IDs [n, L+1], nearest RQ codes [n, L], items moved, new items); old items keep
     theirs. ``balanced``: a new item takes the nearest free last-level code before a dedup code
     (``assign_balanced_ids``)."""
-    with torch.no_grad():
-        latent = model.encoder(torch.from_numpy(embeddings.vectors)).numpy()
+    latent = model.latents(torch.from_numpy(embeddings.vectors)).numpy()
     codebooks = model.codebooks.detach().numpy()
     raw_codes, candidates = residual_codes(latent, codebooks, LAST_LEVEL_CANDIDATES)
     dedup_codes = layout.codes_per_level[-1]
@@ -505,12 +505,17 @@ def mean_pair_cosine(vectors: np.ndarray, groups: np.ndarray) -> float | None:
     """Mean cosine over all pairs of distinct items in the same group (unit vectors).
 
     For a group with vector sum s and n members, the pairs' cosines add up to
-    (|s|^2 - n) / 2, so this is exact without enumerating pairs.
+    (|s|^2 - n) / 2, so this is exact without enumerating pairs. The sums are taken in
+    float64 a block of rows at a time (``index_add_``: ~6x ``np.add.at``, same sums).
     """
     _, inverse = np.unique(groups, return_inverse=True)
-    sums = np.zeros((inverse.max() + 1, vectors.shape[1]), dtype=np.float64)
-    np.add.at(sums, inverse, vectors)
-    sizes = np.bincount(inverse).astype(np.float64)
+    inverse = torch.from_numpy(inverse.reshape(-1))
+    sums = torch.zeros((int(inverse.max()) + 1, vectors.shape[1]), dtype=torch.float64)
+    for start in range(0, len(vectors), INFERENCE_BLOCK_ROWS):
+        block = slice(start, start + INFERENCE_BLOCK_ROWS)
+        sums.index_add_(0, inverse[block], torch.from_numpy(vectors[block]).double())
+    sums = sums.numpy()
+    sizes = np.bincount(inverse.numpy()).astype(np.float64)
     pairs = (sizes * (sizes - 1)).sum()
     if pairs == 0:
         return None
@@ -598,13 +603,23 @@ def _start_version(engine: Engine, kind: str, previous, settings) -> int:
 
 
 def _write_items(engine: Engine, version: int, item_ids: list[str], ids: np.ndarray) -> None:
-    rows = [
-        {"version": version, "item_id": item, "row": row, "semantic_id": "-".join(map(str, codes))}
-        for row, (item, codes) in enumerate(zip(item_ids, ids.tolist(), strict=True))
-    ]
+    """One transaction; the row dicts of 5,000 items at a time (a million dicts were ~1 GB)."""
+    if len(item_ids) != len(ids):
+        raise ValueError(f"{len(item_ids)} item IDs but {len(ids)} semantic IDs")
     with engine.begin() as connection:
-        for start in range(0, len(rows), 5000):
-            connection.execute(insert(semantic_id_items), rows[start : start + 5000])
+        for start in range(0, len(item_ids), 5000):
+            rows = [
+                {"version": version, "item_id": item, "row": row, "semantic_id": "-".join(codes)}
+                for row, (item, codes) in enumerate(
+                    zip(
+                        item_ids[start : start + 5000],
+                        ids[start : start + 5000].astype(str).tolist(),
+                        strict=True,
+                    ),
+                    start=start,
+                )
+            ]
+            connection.execute(insert(semantic_id_items), rows)
 
 
 def _activate(engine: Engine, version: int, report: BuildReport, folder: Path) -> None:
