@@ -67,6 +67,9 @@ def test_compact_lookups_equal_the_dense_child_table(tables: TrieTables):
         )
         assert row_children[node][real].tolist() == child[node][child[node] != tables.sink].tolist()
     assert not exists[tables.item_offset :].any()  # items and the sink have no children
+    only_codes, only_exists = tables.codes(nodes[:, None], 3)  # rows' codes, batched shape
+    assert torch.equal(only_codes[:, 0], row_codes[:, :3])
+    assert torch.equal(only_exists[:, 0], exists[:, :3])
     for d in range(tables.depth):
         level = slice(tables.offsets[d], tables.offsets[d + 1])
         assert tables.level_fan[d] == int((child[level] != tables.sink).sum(1).max())

@@ -254,17 +254,17 @@ class ItemHead:
         self.dtype = torch.promote_types(head.weight.dtype, torch.float32)
 
     def log_probs(
-        self, hidden: torch.Tensor, nodes: torch.Tensor, level: Level, dead
+        self, hidden: torch.Tensor, nodes: torch.Tensor, level: Level, dead, edges=None
     ) -> torch.Tensor:
         """[B, W, C]: log-prob of each code after each beam; -inf where invalid or excluded.
 
         Exclusions (``dead``: ``ItemConstraint.dead_nodes`` as ``TrieTables.dead_children``)
         are masked AFTER normalizing, so every other item keeps the score it has without them.
+        ``edges``: ``self.edges(nodes, level)`` when the caller has read them already.
         """
-        tables, width = self.tables, self.tables.width
-        # each beam's node's edges (TrieTables.rows): F = the level's widest node, or every code
-        fan = tables.level_fan[level] if isinstance(level, int) else width
-        codes, _, exists = tables.rows(nodes, fan)
+        width = self.tables.width
+        fan = self.fan(level)
+        codes, exists = self.edges(nodes, level) if edges is None else edges
         columns = torch.where(exists, codes.long(), width)  # column ``width``: nowhere
         # adding 0 / -inf is the where(allowed, x, -inf) it replaces, several times cheaper
         # on a CPU than a where over a boolean mask
@@ -285,6 +285,15 @@ class ItemHead:
         if dead is None:
             return log_probs
         return log_probs.masked_fill(dead.blocked(nodes, fan), -math.inf)
+
+    def fan(self, level: Level) -> int:
+        """F: the edges per beam a step at ``level`` reads, the level's widest node (every code
+        when users stand at different levels)."""
+        return self.tables.level_fan[level] if isinstance(level, int) else self.tables.width
+
+    def edges(self, nodes: torch.Tensor, level: Level) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, exists) [B, W, F] of each beam's node (``TrieTables.codes``)."""
+        return self.tables.codes(nodes, self.fan(level))
 
     def _level_columns(self, values: torch.Tensor, level: Level, vocabulary: bool) -> torch.Tensor:
         """[B, W, C] at each user's level: columns of full-vocabulary log-probs (``vocabulary``),
@@ -531,20 +540,25 @@ class BatchedDecode:
         """(candidates [B, K*C]: scores of current beam x code, the target's top-K scores, keys)
         from the target's hidden states at ``rows`` (one per current beam)."""
         at_rows = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[2]))
-        log_probs = self.target_head.log_probs(at_rows, current.nodes, level, self.dead_children)
+        edges = self.target_head.edges(current.nodes, level)  # the mask's, and the top-K's
+        log_probs = self.target_head.log_probs(
+            at_rows, current.nodes, level, self.dead_children, edges
+        )
         candidates = (current.scores[..., None] + log_probs).flatten(1)
-        return (candidates, *self.top_candidates(candidates, current.nodes, level))
+        return (candidates, *self.top_candidates(candidates, current.nodes, level, edges))
 
-    def top_candidates(self, candidates: torch.Tensor, nodes: torch.Tensor, level: Level):
+    def top_candidates(
+        self, candidates: torch.Tensor, nodes: torch.Tensor, level: Level, edges=None
+    ):
         """``top_k(candidates, k)`` (keys into [B, W*C]). At one level for every user, among the
-        codes each beam's node allows (``TrieTables.rows``, F = ``narrow_fan``; every other
+        codes each beam's node allows (``TrieTables.codes``, F = ``narrow_fan``; every other
         candidate is -inf): a top-K over W x the level's widest node (10 x 16 on ML-100K's
         second level) instead of W x C (10 x 256) values, where CPU topk cost most of a
-        step's own work."""
+        step's own work. ``edges``: the nodes' (codes, exists) at that F, if read already."""
         fan = self.tables.narrow_fan(level) if isinstance(level, int) else None
         if fan is None or nodes.shape[1] * fan < self.k:
             return top_k(candidates, self.k)
-        codes, _, exists = self.tables.rows(nodes, fan)
+        codes, exists = self.tables.codes(nodes, fan) if edges is None else edges
         beam_start = torch.arange(nodes.shape[1], device=self.device)[:, None] * self.width
         keys = (codes.long() + beam_start).flatten(1)
         # past a node's own codes the row holds another node's: -inf, as a disallowed code is
