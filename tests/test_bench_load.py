@@ -31,6 +31,7 @@ from genrec.app.bench.load import (
     run_load_bench,
     send_offsets,
     settings_environment,
+    step_line,
     summarize_step,
     users_by_partition,
     worker_ratio,
@@ -129,6 +130,19 @@ def test_summarize_step_counts_coalesced_unanswered_and_twice() -> None:
     assert step.send_lag_p99_ms == pytest.approx(9.1, abs=0.1)
     assert step.host_load_1m == 3.14
     assert step.overloaded  # e8 was never answered
+    assert step.worker_p50_ms is None  # no message said how long its worker took
+
+
+def test_summarize_step_reports_the_workers_share_from_the_messages() -> None:
+    scheduled = {f"e{i}": 10.0 + i for i in range(4)}
+    first_at = {e: due + 0.040 for e, due in scheduled.items()}
+    worker_ms = {"e0": 10.0, "e1": 12.0, "e2": 14.0, "e3": 30.0, "other": 500.0}
+    answers = Answers(first_at, dict.fromkeys(first_at, 1), requests=4, worker_ms=worker_ms)
+    step = summarize_step(1, 1.0, scheduled, answers, p99_limit_ms=100.0)
+    assert step.p50_ms == pytest.approx(40.0)
+    assert step.worker_p50_ms == pytest.approx(13.0)  # only this step's triggers
+    assert step.worker_p99_ms == pytest.approx(29.52)
+    assert "in the worker p50/p99 13/30 ms" in step_line(step)
 
 
 def test_overload_detection() -> None:

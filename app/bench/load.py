@@ -10,10 +10,13 @@ covers it (``covered_event_ids``: an event coalesced into another's request coun
 answered by that request's message).
 
 Per step it reports offered and answered events/s, requests/s (messages), p50/p95/p99
-and max latency, events still unanswered after a drain wait, events answered twice, and
-the workers' CPU (utime + stime from /proc, % of one core). A step overloads when its
-p99 exceeds ``p99_ms`` or an event is left unanswered; each phase stops after the first
-step that overloads, and its held rate is the highest offered rate that did not.
+and max latency, the workers' own share of it (p50/p99 of the messages' ``latency_ms``:
+from the worker holding the request's first event to its message; the rest is the trips
+through the broker and the wait before a worker polls the event), events still unanswered
+after a drain wait, events answered twice, and the workers' CPU (utime + stime from /proc,
+% of one core). A step overloads when its p99 exceeds ``p99_ms`` or an event is left
+unanswered; each phase stops after the first step that overloads, and its held rate is the
+highest offered rate that did not.
 
 By default each phase starts its own services as production runs them, one
 ``genrec ingest`` beside N ``genrec serve`` workers (N = 1, then 2), in fresh consumer
@@ -43,7 +46,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,6 +153,8 @@ class Answers:
     first_at: Mapping[str, float]  # event id -> monotonic receipt of its first answer
     times: Mapping[str, int]  # event id -> messages that covered it
     requests: int  # messages triggered by one of these events
+    # trigger event id -> its first message's ``latency_ms`` (the worker's own share)
+    worker_ms: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,6 +178,8 @@ class StepResult:
     send_lag_p99_ms: float  # how late the bench itself sent (included in the latency)
     overloaded: bool
     host_load_1m: float | None = None  # the host's 1-minute load average at the step's end
+    worker_p50_ms: float | None = None  # of the messages' latency_ms: in the worker
+    worker_p99_ms: float | None = None
 
 
 def latency_figures(latencies_ms: Sequence[float]) -> dict[str, float | None]:
@@ -212,6 +219,7 @@ def summarize_step(
         if event_id in answers.first_at
     ]
     figures = latency_figures(latencies)
+    in_worker = latency_figures([answers.worker_ms[e] for e in scheduled if e in answers.worker_ms])
     answered = len(latencies)
     span = 0.0
     if answered:
@@ -234,6 +242,8 @@ def summarize_step(
         send_lag_p99_ms=round(lag, 2),
         overloaded=is_overloaded(figures["p99_ms"], unanswered, p99_limit_ms),
         host_load_1m=None if host_load is None else round(host_load, 2),
+        worker_p50_ms=in_worker["p50_ms"],
+        worker_p99_ms=in_worker["p99_ms"],
     )
 
 
@@ -405,6 +415,7 @@ class AnswerLog:
         self._first_at: dict[str, float] = {}
         self._times: Counter[str] = Counter()
         self._triggers: Counter[str] = Counter()
+        self._worker_ms: dict[str, float] = {}
         self._halt = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="answers", daemon=True)
@@ -418,15 +429,18 @@ class AnswerLog:
                 )
                 received_at = time.monotonic()
                 for records in polled.values():
-                    self._record([covered_ids(from_json(r.value)) for r in records], received_at)
+                    self._record([from_json(r.value) for r in records], received_at)
         except BaseException as exc:  # seen by the main thread at its next look
             self._error = exc
 
-    def _record(self, messages: list[list[str]], received_at: float) -> None:
+    def _record(self, messages: list[Mapping[str, Any]], received_at: float) -> None:
         with self._lock:
-            for ids in messages:
+            for payload in messages:
+                ids = covered_ids(payload)
                 if ids:
                     self._triggers[ids[-1]] += 1
+                    if isinstance(payload.get("latency_ms"), int | float):
+                        self._worker_ms.setdefault(ids[-1], float(payload["latency_ms"]))
                 for event_id in ids:
                     self._first_at.setdefault(event_id, received_at)
                     self._times[event_id] += 1
@@ -439,6 +453,7 @@ class AnswerLog:
                 first_at={e: self._first_at[e] for e in ids if e in self._first_at},
                 times={e: self._times[e] for e in ids if e in self._times},
                 requests=sum(self._triggers.get(e, 0) for e in ids),
+                worker_ms={e: self._worker_ms[e] for e in ids if e in self._worker_ms},
             )
 
     def wait_for(
@@ -869,7 +884,8 @@ def step_line(step: StepResult) -> str:
     return (
         f"load {step.workers}w {step.offered_eps:>6g} ev/s offered: {step.answered_eps:7.1f} "
         f"answered, {step.requests_ps:7.1f} req/s, p50/p95/p99/max {ms(step.p50_ms)}/"
-        f"{ms(step.p95_ms)}/{ms(step.p99_ms)}/{ms(step.max_ms)} ms, unanswered "
+        f"{ms(step.p95_ms)}/{ms(step.p99_ms)}/{ms(step.max_ms)} ms (in the worker p50/p99 "
+        f"{ms(step.worker_p50_ms)}/{ms(step.worker_p99_ms)} ms), unanswered "
         f"{step.unanswered}, twice {step.answered_twice}, worker CPU {cpu}, send lag p99 "
         f"{step.send_lag_p99_ms:.0f} ms, host load {step.host_load_1m}: {verdict}"
     )
