@@ -86,6 +86,7 @@ if TYPE_CHECKING:
 
 ScoreMode = Literal["allowed", "full"]
 Level = int | torch.Tensor  # the level of every user: one int when all share it, else LongTensor[B]
+Edges = tuple[torch.Tensor, torch.Tensor]  # (codes, exists) [B, W, F]: TrieTables.codes
 Mode = Literal["target", "strict", "relaxed", "probe"]
 NEG_INF = -math.inf  # a score of -inf: no beam (scores are finite or -inf, never +inf or nan)
 
@@ -254,7 +255,12 @@ class ItemHead:
         self.dtype = torch.promote_types(head.weight.dtype, torch.float32)
 
     def log_probs(
-        self, hidden: torch.Tensor, nodes: torch.Tensor, level: Level, dead, edges=None
+        self,
+        hidden: torch.Tensor,
+        nodes: torch.Tensor,
+        level: Level,
+        dead,
+        edges: Edges | None = None,
     ) -> torch.Tensor:
         """[B, W, C]: log-prob of each code after each beam; -inf where invalid or excluded.
 
@@ -291,7 +297,7 @@ class ItemHead:
         when users stand at different levels)."""
         return self.tables.level_fan[level] if isinstance(level, int) else self.tables.width
 
-    def edges(self, nodes: torch.Tensor, level: Level) -> tuple[torch.Tensor, torch.Tensor]:
+    def edges(self, nodes: torch.Tensor, level: Level) -> Edges:
         """(codes, exists) [B, W, F] of each beam's node (``TrieTables.codes``)."""
         return self.tables.codes(nodes, self.fan(level))
 
@@ -548,8 +554,12 @@ class BatchedDecode:
         return (candidates, *self.top_candidates(candidates, current.nodes, level, edges))
 
     def top_candidates(
-        self, candidates: torch.Tensor, nodes: torch.Tensor, level: Level, edges=None
-    ):
+        self,
+        candidates: torch.Tensor,
+        nodes: torch.Tensor,
+        level: Level,
+        edges: Edges | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``top_k(candidates, k)`` (keys into [B, W*C]). At one level for every user, among the
         codes each beam's node allows (``TrieTables.codes``, F = ``narrow_fan``; every other
         candidate is -inf): a top-K over W x the level's widest node (10 x 16 on ML-100K's

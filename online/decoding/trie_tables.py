@@ -75,7 +75,7 @@ _TABLES: weakref.WeakKeyDictionary[ItemTrie, TrieTables] = weakref.WeakKeyDictio
 def gather(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``table[index]`` for a 1-D ``table``: one ``index_select`` over the flat index, which
     on a CPU costs a third of what advanced indexing does for a [B, W, F] index (the engine
-    reads its trie tables so a few times per step)."""
+    makes a few such reads each step)."""
     return table.index_select(0, index.reshape(-1)).view(index.shape)
 
 
