@@ -558,17 +558,18 @@ class BatchedDecode:
         candidates: torch.Tensor,
         nodes: torch.Tensor,
         level: Level,
-        edges: Edges | None = None,
+        edges: Edges,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``top_k(candidates, k)`` (keys into [B, W*C]). At one level for every user, among the
         codes each beam's node allows (``TrieTables.codes``, F = ``narrow_fan``; every other
         candidate is -inf): a top-K over W x the level's widest node (10 x 16 on ML-100K's
         second level) instead of W x C (10 x 256) values, where CPU topk cost most of a
-        step's own work. ``edges``: the nodes' (codes, exists) at that F, if read already."""
+        step's own work. ``edges``: the nodes' (codes, exists) at the level's F
+        (``ItemHead.edges``); their first ``narrow_fan`` columns are the edges read here."""
         fan = self.tables.narrow_fan(level) if isinstance(level, int) else None
         if fan is None or nodes.shape[1] * fan < self.k:
             return top_k(candidates, self.k)
-        codes, exists = self.tables.codes(nodes, fan) if edges is None else edges
+        codes, exists = (part[..., :fan] for part in edges)  # a node's edges ascend by code
         beam_start = torch.arange(nodes.shape[1], device=self.device)[:, None] * self.width
         keys = (codes.long() + beam_start).flatten(1)
         # past a node's own codes the row holds another node's: -inf, as a disallowed code is
