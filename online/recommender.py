@@ -446,6 +446,7 @@ class Recommender:
         ]
         for stats, request_stats in zip(decoding, batch.stats, strict=True):
             stats.update(request_stats)
+            stats["batch_users"] = len(gen_requests)  # users of the decoding call it rode in
             _observe_decoding(stats)
         return lists
 

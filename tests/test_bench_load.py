@@ -15,6 +15,7 @@ import pytest
 
 from genrec.app.bench import load
 from genrec.app.bench.load import (
+    AnswerBook,
     Answers,
     CpuMeter,
     EventPicker,
@@ -145,6 +146,43 @@ def test_summarize_step_reports_the_workers_share_from_the_messages() -> None:
     assert "in the worker p50/p99 13/30 ms" in step_line(step)
 
 
+def test_summarize_step_reports_batches_suffixes_and_the_rest_of_the_path() -> None:
+    scheduled = {f"e{i}": 10.0 + i for i in range(4)}
+    first_at = {e: due + 0.040 for e, due in scheduled.items()}
+    answers = Answers(
+        first_at, dict.fromkeys(first_at, 1), requests=4,
+        batch_users={"e0": 1, "e1": 3, "e2": 3, "e3": 5, "other": 64},
+        suffix_tokens={"e0": 4, "e1": 4, "e2": 8},
+    )  # fmt: skip
+    step = summarize_step(
+        1, 1.0, scheduled, answers, p99_limit_ms=100.0,
+        others_cpu_pct={"ingest": 12.34, "broker": 30.0, "bench": None},
+    )  # fmt: skip
+    assert step.batch_users_mean == 3.0  # this step's triggers only
+    assert step.suffix_tokens_p50 == 4.0
+    assert (step.ingest_cpu_pct, step.broker_cpu_pct, step.bench_cpu_pct) == (12.3, 30.0, None)
+    line = step_line(step)
+    assert "ingest 12% broker 30% bench -" in line and "users/call 3.0, suffix 4 tokens" in line
+
+
+def test_answer_log_keeps_the_first_messages_decoding_figures() -> None:
+    book = AnswerBook()
+    decoding = {"batch_users": 7, "suffix_tokens": 4}
+    book.record([{"event_id": "e1", "latency_ms": 3.0, "decoding": decoding}], 1.0)
+    book.record([{"event_id": "e1", "decoding": {"batch_users": 9}}], 2.0)  # a redelivery
+    book.record([{"event_id": "e2", "decoding": {"batch_users": True, "suffix_tokens": "x"}}], 3.0)
+    answers = book.lookup(["e1", "e2", "e3"])
+    assert answers.batch_users == {"e1": 7} and answers.suffix_tokens == {"e1": 4}
+    assert answers.times == {"e1": 2, "e2": 1} and answers.first_at == {"e1": 1.0, "e2": 3.0}
+    assert answers.worker_ms == {"e1": 3.0} and answers.requests == 3
+    assert book.missing(["e1", "e3"]) == 1
+
+
+def test_path_pids_name_this_bench_and_no_broker_that_is_not_running(tmp_path) -> None:
+    pids = load.path_pids(Settings(home=tmp_path), ingest_pid=41)
+    assert pids == {"bench": os.getpid(), "ingest": 41}
+
+
 def test_overload_detection() -> None:
     assert not is_overloaded(99.0, 0, 100.0)
     assert not is_overloaded(100.0, 0, 100.0)
@@ -202,7 +240,7 @@ def test_ready_workers_are_stable_members_holding_partitions() -> None:
     assert assigned_members(FakeAdmin("PreparingRebalance", [[0, 1, 2], [3, 4, 5]]), "g") == 0
 
 
-def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None:
+def test_started_workers_that_never_join_are_restarted_once(monkeypatch, tmp_path) -> None:
     started: list[str] = []
 
     class FakeServices:
@@ -218,6 +256,9 @@ def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None
 
         def worker_pids(self) -> list[int]:
             return [42]
+
+        def ingest_pid(self) -> int:
+            return 41
 
         def check_alive(self) -> None:
             pass
@@ -235,19 +276,26 @@ def test_started_workers_that_never_join_are_restarted_once(monkeypatch) -> None
             raise TimeoutError("no answer")
 
     monkeypatch.setattr(load, "warm_up", fake_warm_up)
-    monkeypatch.setattr(load, "run_steps", lambda _t, workers, pids, _c: {"w": workers, "p": pids})
+    monkeypatch.setattr(
+        load,
+        "run_steps",
+        lambda _t, workers, pids, _c, others: {"w": workers, "p": pids, "i": others["ingest"]},
+    )
     traffic = load._Traffic(None, None, None, LoadConfig())
+    settings = Settings(home=tmp_path)  # no local broker runs there: no broker pid
     stalls = 1
-    assert load.run_started_phase(traffic, None, 2, "r", "at_least_once") == {"w": 2, "p": [42]}
+    expected = {"w": 2, "p": [42], "i": 41}
+    assert load.run_started_phase(traffic, settings, 2, "r", "at_least_once") == expected
     assert started == ["r-a1", "r-a2"]
     started.clear()
     stalls = 2
     with pytest.raises(TimeoutError):
-        load.run_started_phase(traffic, None, 1, "r", "at_least_once")
+        load.run_started_phase(traffic, settings, 1, "r", "at_least_once")
     assert started == ["r-a1", "r-a2"]
     started.clear()
     stalls, answer_stalls[:] = 0, ["r-a1"]  # joined, then stalled: as seen on a loaded host
-    assert load.run_started_phase(traffic, None, 1, "r", "at_least_once") == {"w": 1, "p": [42]}
+    expected = {"w": 1, "p": [42], "i": 41}
+    assert load.run_started_phase(traffic, settings, 1, "r", "at_least_once") == expected
     assert started == ["r-a1", "r-a2"]
 
 
@@ -319,6 +367,8 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
             assert 0 < step["requests"] <= step["events"]
             assert step["p50_ms"] <= step["p99_ms"] <= step["max_ms"]
             assert step["worker_cpu_pct"] is not None and step["worker_cpu_pct"] > 0
+            assert step["ingest_cpu_pct"] is not None and step["bench_cpu_pct"] > 0
+            assert step["batch_users_mean"] >= 1  # every message says its decoding call's size
             assert not step["overloaded"]
         assert phase["held_eps"] == 6.0
     assert report["held_ratio_2_over_1"] == 1.0

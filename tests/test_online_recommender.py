@@ -130,6 +130,7 @@ def test_cached_user_gets_suffix_after_cutoff_plus_events_in_hand(store) -> None
     assert message.event_id == "k1" and message.request_id == "k1"
     assert message.covered_event_ids == ["s3", "k1"]
     assert message.decoding["path"] == "prefix_kv"
+    assert message.decoding["batch_users"] == 1  # the users of its decoding call
     assert [i.item_id for i in message.branches["generative"]] == ["5", "6", "7"]
     assert [i.item_id for i in message.branches["popularity"]] == ["8", "6", "7"]
     seen = {"1", "2", "3", "4"}
@@ -250,6 +251,7 @@ def test_prepare_reads_once_and_finish_decodes_in_calls_of_max_batch_users(
     assert [len(call) for call in served.decoder.calls] == [2, 2, 3]  # as even as can be
     assert [m.event_id for m in messages] == [f"k{n}" for n in range(7)]
     assert all(m.decoding["path"] == "full_prompt" for m in messages)
+    assert [m.decoding["batch_users"] for m in messages] == [2, 2, 2, 2, 3, 3, 3]
 
 
 def test_prefix_kv_lru_caches_hits_and_misses_and_evicts() -> None:

@@ -13,8 +13,13 @@ Per step it reports offered and answered events/s, requests/s (messages), p50/p9
 and max latency, the workers' own share of it (p50/p99 of the messages' ``latency_ms``:
 from the worker holding the request's first event to its message; the rest is the trips
 through the broker and the wait before a worker polls the event), events still unanswered
-after a drain wait, events answered twice, and the workers' CPU (utime + stime from /proc,
-% of one core). A step overloads when its p99 exceeds ``p99_ms`` or an event is left
+after a drain wait, events answered twice, and the CPU (utime + stime from /proc, % of one
+core) of the workers and, beside it, of the host's other parts of the path: the ``genrec
+ingest`` it started, the local broker (``genrec kafka up``'s, when it runs on this host) and
+the bench itself. From the messages' ``decoding`` it also reports the users per decoding
+call (the batch grows with load) and the median suffix the target prefilled past the
+cached prefix (tokens: how far the store has moved on since the last refresh; a long
+suffix costs every request, so refresh before comparing runs). A step overloads when its p99 exceeds ``p99_ms`` or an event is left
 unanswered; each phase stops after the first step that overloads, and its held rate is the
 highest offered rate that did not.
 
@@ -56,6 +61,7 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
 
+from genrec.app.kafka_broker import KafkaBroker, KafkaBrokerError
 from genrec.app.services import skip_group_to_end, stop_service
 from genrec.infra.consumer_loop import poll_group
 from genrec.infra.database import make_engine
@@ -155,6 +161,10 @@ class Answers:
     requests: int  # messages triggered by one of these events
     # trigger event id -> its first message's ``latency_ms`` (the worker's own share)
     worker_ms: Mapping[str, float] = field(default_factory=dict)
+    # trigger event id -> its first message's ``decoding``: users in its decoding call,
+    # tokens prefilled past the cached prefix (absent when the message does not say)
+    batch_users: Mapping[str, int] = field(default_factory=dict)
+    suffix_tokens: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -180,6 +190,12 @@ class StepResult:
     host_load_1m: float | None = None  # the host's 1-minute load average at the step's end
     worker_p50_ms: float | None = None  # of the messages' latency_ms: in the worker
     worker_p99_ms: float | None = None
+    # % of one core of the rest of the path on this host (None: not measured)
+    ingest_cpu_pct: float | None = None
+    broker_cpu_pct: float | None = None
+    bench_cpu_pct: float | None = None
+    batch_users_mean: float | None = None  # users per decoding call, over the step's messages
+    suffix_tokens_p50: float | None = None  # tokens prefilled past the cached prefix
 
 
 def latency_figures(latencies_ms: Sequence[float]) -> dict[str, float | None]:
@@ -211,8 +227,10 @@ def summarize_step(
     cpu_pct: float | None = None,
     send_lags_s: Sequence[float] = (),
     host_load: float | None = None,
+    others_cpu_pct: Mapping[str, float | None] | None = None,
 ) -> StepResult:
-    """The step's figures from each event's due time and its answers' receipt times."""
+    """The step's figures from each event's due time and its answers' receipt times;
+    ``others_cpu_pct``: CPU of ``ingest``, ``broker`` and ``bench`` where measured."""
     latencies = [
         1000.0 * (answers.first_at[event_id] - due)
         for event_id, due in scheduled.items()
@@ -227,6 +245,9 @@ def summarize_step(
         span -= min(scheduled.values())
     unanswered = len(scheduled) - answered
     lag = float(np.percentile(send_lags_s, 99)) * 1000.0 if len(send_lags_s) else 0.0
+    others = others_cpu_pct or {}
+    batch_users = [answers.batch_users[e] for e in scheduled if e in answers.batch_users]
+    suffixes = [answers.suffix_tokens[e] for e in scheduled if e in answers.suffix_tokens]
     return StepResult(
         workers=workers,
         offered_eps=rate,
@@ -244,7 +265,16 @@ def summarize_step(
         host_load_1m=None if host_load is None else round(host_load, 2),
         worker_p50_ms=in_worker["p50_ms"],
         worker_p99_ms=in_worker["p99_ms"],
+        ingest_cpu_pct=_rounded(others.get("ingest")),
+        broker_cpu_pct=_rounded(others.get("broker")),
+        bench_cpu_pct=_rounded(others.get("bench")),
+        batch_users_mean=_rounded(float(np.mean(batch_users)) if batch_users else None),
+        suffix_tokens_p50=_rounded(float(np.median(suffixes)) if suffixes else None),
     )
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def held_rate(steps: Sequence[StepResult]) -> float | None:
@@ -394,6 +424,60 @@ def covered_ids(payload: Mapping[str, Any]) -> list[str]:
     return [str(trigger)] if trigger is not None else []
 
 
+class AnswerBook:
+    """What the answers consumer has seen, per event id; thread-safe (the consumer's thread
+    records, the bench's thread looks up)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._first_at: dict[str, float] = {}
+        self._times: Counter[str] = Counter()
+        self._triggers: Counter[str] = Counter()
+        self._worker_ms: dict[str, float] = {}
+        self._batch_users: dict[str, int] = {}
+        self._suffix_tokens: dict[str, int] = {}
+
+    def record(self, messages: Iterable[Mapping[str, Any]], received_at: float) -> None:
+        with self.lock:
+            for payload in messages:
+                ids = covered_ids(payload)
+                if ids:
+                    self._triggers[ids[-1]] += 1
+                    if isinstance(payload.get("latency_ms"), int | float):
+                        self._worker_ms.setdefault(ids[-1], float(payload["latency_ms"]))
+                    self._record_decoding(ids[-1], payload.get("decoding"))
+                for event_id in ids:
+                    self._first_at.setdefault(event_id, received_at)
+                    self._times[event_id] += 1
+
+    def _record_decoding(self, trigger: str, decoding: Any) -> None:
+        """The first message's batch size and suffix length, where it gives them."""
+        if not isinstance(decoding, Mapping):
+            return
+        for key, figures in (("batch_users", self._batch_users),
+                             ("suffix_tokens", self._suffix_tokens)):  # fmt: skip
+            value = decoding.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                figures.setdefault(trigger, value)
+
+    def lookup(self, event_ids: Iterable[str]) -> Answers:
+        with self.lock:
+            ids = list(event_ids)
+
+            def of(figures: Mapping[str, Any]) -> dict[str, Any]:
+                return {e: figures[e] for e in ids if e in figures}
+
+            return Answers(
+                first_at=of(self._first_at), times=of(self._times),
+                requests=sum(self._triggers.get(e, 0) for e in ids), worker_ms=of(self._worker_ms),
+                batch_users=of(self._batch_users), suffix_tokens=of(self._suffix_tokens),
+            )  # fmt: skip
+
+    def missing(self, event_ids: Sequence[str]) -> int:
+        with self.lock:
+            return sum(1 for e in event_ids if e not in self._first_at)
+
+
 class AnswerLog:
     """Reads the recommendations topic in a thread, with a consumer group of its own.
 
@@ -411,11 +495,7 @@ class AnswerLog:
         except BaseException:
             self.consumer.close()
             raise
-        self._lock = threading.Lock()
-        self._first_at: dict[str, float] = {}
-        self._times: Counter[str] = Counter()
-        self._triggers: Counter[str] = Counter()
-        self._worker_ms: dict[str, float] = {}
+        self.book = AnswerBook()
         self._halt = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="answers", daemon=True)
@@ -429,32 +509,13 @@ class AnswerLog:
                 )
                 received_at = time.monotonic()
                 for records in polled.values():
-                    self._record([from_json(r.value) for r in records], received_at)
+                    self.book.record([from_json(r.value) for r in records], received_at)
         except BaseException as exc:  # seen by the main thread at its next look
             self._error = exc
 
-    def _record(self, messages: list[Mapping[str, Any]], received_at: float) -> None:
-        with self._lock:
-            for payload in messages:
-                ids = covered_ids(payload)
-                if ids:
-                    self._triggers[ids[-1]] += 1
-                    if isinstance(payload.get("latency_ms"), int | float):
-                        self._worker_ms.setdefault(ids[-1], float(payload["latency_ms"]))
-                for event_id in ids:
-                    self._first_at.setdefault(event_id, received_at)
-                    self._times[event_id] += 1
-
     def lookup(self, event_ids: Iterable[str]) -> Answers:
         self._raise_if_failed()
-        with self._lock:
-            ids = list(event_ids)
-            return Answers(
-                first_at={e: self._first_at[e] for e in ids if e in self._first_at},
-                times={e: self._times[e] for e in ids if e in self._times},
-                requests=sum(self._triggers.get(e, 0) for e in ids),
-                worker_ms={e: self._worker_ms[e] for e in ids if e in self._worker_ms},
-            )
+        return self.book.lookup(event_ids)
 
     def wait_for(
         self,
@@ -467,9 +528,7 @@ class AnswerLog:
         deadline = time.monotonic() + timeout_s
         while True:
             self._raise_if_failed()
-            with self._lock:
-                missing = sum(1 for e in wanted if e not in self._first_at)
-            if not missing:
+            if not self.book.missing(wanted):
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -597,6 +656,9 @@ class Services:
     def worker_pids(self) -> list[int]:
         return [p.pid for name, p in self.processes if name.startswith("serve")]
 
+    def ingest_pid(self) -> int | None:
+        return next((p.pid for name, p in self.processes if name == "ingest"), None)
+
     def check_alive(self) -> None:
         """Raise if a service has exited (it should run until ``stop``)."""
         for name, process in self.processes:
@@ -718,11 +780,15 @@ def run_step(
     rate: float,
     pids: Sequence[int],
     check: Callable[[], None] | None,
+    others: Mapping[str, int] | None = None,
 ) -> StepResult:
-    """Offer ``rate`` for ``step_s``, wait up to ``drain_s`` for the answers, summarize."""
+    """Offer ``rate`` for ``step_s``, wait up to ``drain_s`` for the answers, summarize;
+    ``others``: pids of the path's other processes (``ingest``, ``broker``, ``bench``)."""
     config = traffic.config
     meter = CpuMeter(pids)
-    meter.start()
+    other_meters = {name: CpuMeter([pid]) for name, pid in (others or {}).items()}
+    for started in (meter, *other_meters.values()):
+        started.start()
     scheduled, lags = send_on_schedule(
         traffic.sender, traffic.picker, f"{workers}w-{rate:g}", send_offsets(rate, config.step_s),
         progress=config.progress and stderr_is_terminal(),
@@ -731,24 +797,33 @@ def run_step(
     return summarize_step(
         workers, rate, scheduled, traffic.answers.lookup(scheduled), p99_limit_ms=config.p99_ms,
         cpu_pct=meter.percent(), send_lags_s=lags, host_load=os.getloadavg()[0],
+        others_cpu_pct={name: m.percent() for name, m in other_meters.items()},
     )  # fmt: skip
 
 
 def run_phase(
-    traffic: _Traffic, workers: int, pids: Sequence[int], check: Callable[[], None] | None
+    traffic: _Traffic,
+    workers: int,
+    pids: Sequence[int],
+    check: Callable[[], None] | None,
+    others: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Warm up, then step the rate up until a step overloads."""
     warm_up(traffic, workers, check, traffic.config.ready_timeout_s)
-    return run_steps(traffic, workers, pids, check)
+    return run_steps(traffic, workers, pids, check, others)
 
 
 def run_steps(
-    traffic: _Traffic, workers: int, pids: Sequence[int], check: Callable[[], None] | None
+    traffic: _Traffic,
+    workers: int,
+    pids: Sequence[int],
+    check: Callable[[], None] | None,
+    others: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """Step the rate up until a step overloads (the workers are warm)."""
     steps: list[StepResult] = []
     for rate in traffic.config.step_rates():
-        step = run_step(traffic, workers, rate, pids, check)
+        step = run_step(traffic, workers, rate, pids, check, others)
         steps.append(step)
         print(step_line(step), flush=True)
         if step.overloaded:
@@ -788,7 +863,9 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
                 if config.start:
                     phase = run_started_phase(traffic, settings, workers, run_id, guarantee)
                 else:
-                    phase = run_phase(traffic, workers, config.worker_pids, None)
+                    phase = run_phase(
+                        traffic, workers, config.worker_pids, None, path_pids(settings)
+                    )
                 phases.append({"guarantee": guarantee, **phase})
     return build_report(settings, config, phases, run_id)
 
@@ -816,8 +893,25 @@ def run_started_phase(
                     raise
                 log.warning("%s; restarting them", exc)
                 continue
-            return run_steps(traffic, workers, services.worker_pids(), services.check_alive)
+            others = path_pids(settings, services.ingest_pid())
+            return run_steps(traffic, workers, services.worker_pids(), services.check_alive, others)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def path_pids(settings: Settings, ingest_pid: int | None = None) -> dict[str, int]:
+    """The pids of the path's other processes on this host whose CPU a step reports: this
+    bench, the ingest it started, and the local broker when one runs (``genrec kafka up``)."""
+    pids = {"bench": os.getpid()}
+    if ingest_pid is not None:
+        pids["ingest"] = ingest_pid
+    try:
+        broker = KafkaBroker.from_settings(settings).status()
+    except KafkaBrokerError:  # a bootstrap list: not one local broker
+        return pids
+    # only the broker this bench talks to (tests run brokers of their own elsewhere)
+    if broker.pid is not None and broker.bootstrap == settings.kafka.bootstrap:
+        pids["broker"] = broker.pid
+    return pids
 
 
 def build_report(
@@ -879,14 +973,20 @@ def step_line(step: StepResult) -> str:
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.0f}"
 
-    cpu = "-" if step.worker_cpu_pct is None else f"{step.worker_cpu_pct:.0f}%"
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.0f}%"
+
     verdict = "OVERLOADED" if step.overloaded else "held"
+    batch = "-" if step.batch_users_mean is None else f"{step.batch_users_mean:.1f}"
     return (
         f"load {step.workers}w {step.offered_eps:>6g} ev/s offered: {step.answered_eps:7.1f} "
         f"answered, {step.requests_ps:7.1f} req/s, p50/p95/p99/max {ms(step.p50_ms)}/"
         f"{ms(step.p95_ms)}/{ms(step.p99_ms)}/{ms(step.max_ms)} ms (in the worker p50/p99 "
         f"{ms(step.worker_p50_ms)}/{ms(step.worker_p99_ms)} ms), unanswered "
-        f"{step.unanswered}, twice {step.answered_twice}, worker CPU {cpu}, send lag p99 "
+        f"{step.unanswered}, twice {step.answered_twice}, CPU worker "
+        f"{pct(step.worker_cpu_pct)} ingest {pct(step.ingest_cpu_pct)} broker "
+        f"{pct(step.broker_cpu_pct)} bench {pct(step.bench_cpu_pct)}, users/call {batch}, "
+        f"suffix {ms(step.suffix_tokens_p50)} tokens, send lag p99 "
         f"{step.send_lag_p99_ms:.0f} ms, host load {step.host_load_1m}: {verdict}"
     )
 
