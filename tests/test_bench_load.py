@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +167,7 @@ def test_summarize_step_reports_batches_suffixes_and_the_rest_of_the_path() -> N
     assert "ingest 12% broker 30% bench -" in line and "users/call 3.0, suffix 4 tokens" in line
 
 
-def test_answer_log_keeps_the_first_messages_decoding_figures() -> None:
+def test_answer_book_keeps_the_first_messages_decoding_figures() -> None:
     book = AnswerBook()
     decoding = {"batch_users": 7, "suffix_tokens": 4}
     book.record([{"event_id": "e1", "latency_ms": 3.0, "decoding": decoding}], 1.0)
@@ -306,6 +308,16 @@ def test_cpu_of_this_process_from_proc() -> None:
     sum(i * i for i in range(300_000))  # burn a little CPU
     assert meter.percent() > 0
     assert CpuMeter([]).percent() is None
+
+
+def test_cpu_meter_counts_children() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in load.descendants(os.getpid())
+        assert load.descendants(child.pid) == []
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_children_get_this_process_store_and_topics(tmp_path: Path, monkeypatch) -> None:

@@ -565,17 +565,42 @@ def _assign(consumer: KafkaConsumer, topic: str, timeout_s: float) -> None:
 
 def process_cpu_s(pid: int) -> float | None:
     """utime + stime of ``pid`` in seconds, from /proc (None once it is gone)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat from field 3 (state) on; None once the process is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    # After the parenthesised name (which may hold spaces): state is field 3, utime 14, stime 15.
-    fields = text.rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    # After the parenthesised name (which may hold spaces): state is field 3, ppid 4,
+    # utime 14, stime 15.
+    return text.rpartition(")")[2].split()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (children, theirs...), from /proc's parent ids."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found.extend(children)
+        todo.extend(children)
+    return found
 
 
 class CpuMeter:
-    """CPU of a set of processes between ``start`` and ``percent``, as % of one core."""
+    """CPU of a set of processes and their children (ingest's writer process) between
+    ``start`` and ``percent``, as % of one core."""
 
     def __init__(self, pids: Sequence[int]) -> None:
         self.pids = tuple(pids)
@@ -585,7 +610,8 @@ class CpuMeter:
         times = [process_cpu_s(pid) for pid in self.pids]
         if not times or any(t is None for t in times):
             return None
-        return sum(times)
+        below = (process_cpu_s(child) for pid in self.pids for child in descendants(pid))
+        return sum(t for t in times if t is not None) + sum(t for t in below if t is not None)
 
     def start(self) -> None:
         self._started = (time.monotonic(), self._total())
@@ -595,7 +621,8 @@ class CpuMeter:
         cpu_now, wall = self._total(), time.monotonic() - began
         if cpu_before is None or cpu_now is None or wall <= 0:
             return None
-        return 100.0 * (cpu_now - cpu_before) / wall
+        # (a child that ended during the step takes its time with it: never below 0)
+        return max(0.0, 100.0 * (cpu_now - cpu_before) / wall)
 
 
 def settings_environment(settings: Settings) -> dict[str, str]:
