@@ -117,6 +117,11 @@ PREFIX_KV_LOOKUPS = Counter(
     # served: decoded from the KV of the user's previous prompt (online.served_prompts)
     ["result"],
 )
+HISTORY_READS = Counter(
+    "genrec_history_reads_total",
+    "Users' store histories read per request, by how (online.history_cache_events).",
+    ["read"],  # full|incremental (only the rows stored since the user's last read)
+)
 SERVING_VERSION = Gauge(
     "genrec_serving_version_info",
     "1 for the serving version in use (labels name it).",

@@ -13,7 +13,8 @@ step that needs them:
   refresh's prefix-KV precompute under a byte budget); ``count_inactive_users``: those
   the window leaves out;
 - ``load_histories_of``: a given set of users in one query, each cut to their newest N
-  events (the online recommender);
+  events, optionally only the events stored after a row (the online recommender and its
+  history cache);
 - ``load_item_ids``: the catalog plus every item seen in events.
 
 Order is by event time, ties broken by insertion order (``events.id``), which is the
@@ -80,16 +81,25 @@ def first_of_newest_rows(engine: Engine, count: int) -> int | None:
 
 
 def load_histories_of(
-    engine: Engine, user_ids: Iterable[str], *, newest: int | None = None
+    engine: Engine,
+    user_ids: Iterable[str],
+    *,
+    newest: int | None = None,
+    after_row: int | None = None,
 ) -> dict[str, list[HistoryEvent]]:
     """The events of ``user_ids`` in time order, in one query; with ``newest``, only each
-    user's newest ``newest`` events (older ones are dropped while reading)."""
+    user's newest ``newest`` events (older ones are dropped while reading); with
+    ``after_row``, only those stored after that ``events.id`` (for a reader that holds the
+    rest: the online worker's history cache)."""
     if newest is not None and newest < 1:
         raise ValueError(f"newest must be >= 1, got {newest}")
     wanted = sorted(set(user_ids))
     if not wanted:
         return {}
-    return _grouped(engine, _history_query(events.c.user_id.in_(wanted)), newest=newest)
+    conditions = [events.c.user_id.in_(wanted)]
+    if after_row is not None:
+        conditions.append(events.c.id > after_row)
+    return _grouped(engine, _history_query(*conditions), newest=newest)
 
 
 def history_pages(

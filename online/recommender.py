@@ -53,8 +53,9 @@ from sqlalchemy import Engine
 
 from genrec.infra import metrics
 from genrec.infra.settings import OnlineSettings, Settings
-from genrec.ingest.history import HistoryEvent, load_histories_of
+from genrec.ingest.history import HistoryEvent
 from genrec.online.auto_mode import AutoMode
+from genrec.online.history_cache import HistoryCache
 from genrec.online.merge import merge_lists
 from genrec.online.prefix_kv_store import KVStoreUnavailable
 from genrec.online.prompts import history_prompt, history_tokens
@@ -297,6 +298,10 @@ class Recommender:
             self.served = ServedPrompts(
                 self.settings.prompt_kv_lru_size, int(self.settings.prompt_kv_lru_mb * 2**20)
             )
+        self.stored_histories = HistoryCache(
+            self.settings.history_cache_events, self.settings.history_cache_s,
+            self.settings.max_history_events,
+        )  # fmt: skip
         self._bundle_key: str | None = None
 
     def recommend(
@@ -354,9 +359,7 @@ class Recommender:
 
     def _histories(self, requests: Sequence[Request]) -> list[list[HistoryEvent]]:
         """Store history + events in hand (deduplicated by event_id), in time order."""
-        stored = load_histories_of(
-            self.engine, [r.user_id for r in requests], newest=self.settings.max_history_events
-        )
+        stored = self.stored_histories.histories(self.engine, [r.user_id for r in requests])
         histories = []
         for request in requests:
             history = list(stored.get(request.user_id, []))

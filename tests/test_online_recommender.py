@@ -229,12 +229,12 @@ def test_decoder_failure_falls_back_to_branches(store) -> None:
 def test_prepare_reads_once_and_finish_decodes_in_calls_of_max_batch_users(
     store, monkeypatch
 ) -> None:
-    import genrec.online.recommender as recommender_module
+    import genrec.online.history_cache as history_module
 
     reads, branch_calls = [], []
-    read = recommender_module.load_histories_of
+    read = history_module.load_histories_of
     monkeypatch.setattr(
-        recommender_module,
+        history_module,
         "load_histories_of",
         lambda *a, **kw: reads.append(a[1]) or read(*a, **kw),
     )
