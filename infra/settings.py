@@ -160,7 +160,7 @@ class OnlineSettings(BaseModel):
     prompt_kv_lru_mb: float = Field(default=1024.0, gt=0)  # ... and at most this much of them
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     # Recently served users' histories kept in memory, so a request reads only the rows
-    # stored since (online/history_cache.py): at most this many events (~200 bytes each;
+    # stored since (online/history_cache.py): at most this many events (~270 bytes each;
     # 0 reads every history in full) ...
     history_cache_events: int = Field(default=500_000, ge=0)
     history_cache_s: float = Field(default=60.0, gt=0)  # ... each read in full after this

@@ -3,12 +3,12 @@
 A request needs the user's stored history (up to ``online.max_history_events`` newest
 events): the prompt's window, the suffix past the cached prefix, the seen items, the
 branches' input. Read in full, that is every stored row of every user of a batch, each
-time (a batch of 64 ML-100K users: ~8,600 rows, ~21 ms on the 2-core CPU), although an
+time (a batch of 64 ML-100K users: ~8,600 rows, 21-30 ms on the 2-core CPU), although an
 active user's history changes by an event or two between requests. ``HistoryCache``
 keeps the histories it read, each with a *watermark*: an ``events.id`` at or above every
 row of the user the store held when it was read. A user met again within
 ``online.history_cache_s`` is read incrementally (rows above the lowest watermark of the
-batch's cached users: one query for all of them, ~2 ms for the same 64 users); anyone
+batch's cached users: one query for all of them, 2-7 ms for the same 64 users); anyone
 else is read in full. So a batch costs at most two queries.
 
 Why a watermark works: the store appends, ``events.id`` grows with every insert, and the
@@ -21,8 +21,8 @@ full again, which bounds how long the history can lack it (the events in hand fr
 are always merged on top, by ``Recommender``).
 
 Memory: at most ``online.history_cache_events`` events (least recently used users go
-first); a ``HistoryEvent`` costs ~200 bytes with its strings, so the default 500,000 is
-~100 MB. It grows with the number of recently active users times their history length,
+first); a ``HistoryEvent`` of ML-100K costs ~270 bytes with its strings (measured with
+tracemalloc), so the default 500,000 is ~135 MB. It grows with the number of recently active users times their history length,
 not with the store. ``online.history_cache_events = 0`` reads every history in full.
 
 Example::
