@@ -315,6 +315,7 @@ def test_cpu_meter_counts_children() -> None:
     try:
         assert child.pid in load.descendants(os.getpid())
         assert load.descendants(child.pid) == []
+        assert CpuMeter([os.getpid()], children=False)._total() == process_cpu_s(os.getpid())
     finally:
         child.kill()
         child.wait()

@@ -599,18 +599,20 @@ def descendants(pid: int) -> list[int]:
 
 
 class CpuMeter:
-    """CPU of a set of processes and their children (ingest's writer process) between
-    ``start`` and ``percent``, as % of one core."""
+    """CPU of a set of processes, with their children (ingest's writer process) unless
+    ``children`` is False (the bench: its children are the services), between ``start``
+    and ``percent``, as % of one core."""
 
-    def __init__(self, pids: Sequence[int]) -> None:
-        self.pids = tuple(pids)
+    def __init__(self, pids: Sequence[int], children: bool = True) -> None:
+        self.pids, self.children = tuple(pids), children
         self._started: tuple[float, float | None] = (time.monotonic(), None)
 
     def _total(self) -> float | None:
         times = [process_cpu_s(pid) for pid in self.pids]
         if not times or any(t is None for t in times):
             return None
-        below = (process_cpu_s(child) for pid in self.pids for child in descendants(pid))
+        below_pids = [c for pid in self.pids for c in descendants(pid)] if self.children else []
+        below = (process_cpu_s(child) for child in below_pids)
         return sum(t for t in times if t is not None) + sum(t for t in below if t is not None)
 
     def start(self) -> None:
@@ -813,7 +815,9 @@ def run_step(
     ``others``: pids of the path's other processes (``ingest``, ``broker``, ``bench``)."""
     config = traffic.config
     meter = CpuMeter(pids)
-    other_meters = {name: CpuMeter([pid]) for name, pid in (others or {}).items()}
+    other_meters = {
+        name: CpuMeter([pid], children=name != "bench") for name, pid in (others or {}).items()
+    }
     for started in (meter, *other_meters.values()):
         started.start()
     scheduled, lags = send_on_schedule(
