@@ -311,11 +311,18 @@ def test_cpu_of_this_process_from_proc() -> None:
 
 
 def test_cpu_meter_counts_children() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
+        assert child.stdout.readline() == "up\n"  # started: its CPU time no longer grows
         assert child.pid in load.descendants(os.getpid())
         assert load.descendants(child.pid) == []
-        assert CpuMeter([os.getpid()], children=False)._total() == process_cpu_s(os.getpid())
+        own = CpuMeter([os.getpid()], children=False)._total()
+        with_child = CpuMeter([os.getpid()])._total()
+        child_cpu = process_cpu_s(child.pid)
+        assert child_cpu > 0 and with_child >= own + child_cpu
     finally:
         child.kill()
         child.wait()
