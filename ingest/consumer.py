@@ -107,6 +107,7 @@ def consumer_config(settings: Settings, *, group_id: str | None = None) -> dict[
         "fetch_max_bytes": ingest.fetch_max_bytes,
         "max_partition_fetch_bytes": ingest.max_partition_fetch_bytes,
         "fetch_max_wait_ms": ingest.batch_timeout_ms,
+        "fetch_min_bytes": ingest.fetch_min_bytes,
         "max_poll_interval_ms": ingest.max_poll_interval_ms,
         "session_timeout_ms": ingest.session_timeout_ms,
         "heartbeat_interval_ms": max(ingest.session_timeout_ms // 4, 500),
