@@ -22,8 +22,9 @@ are always merged on top, by ``Recommender``).
 
 Memory: at most ``online.history_cache_events`` events (least recently used users go
 first); a ``HistoryEvent`` of ML-100K costs ~270 bytes with its strings (measured with
-tracemalloc), so the default 500,000 is ~135 MB. It grows with the number of recently active users times their history length,
-not with the store. ``online.history_cache_events = 0`` reads every history in full.
+tracemalloc), so the default 500,000 is ~135 MB. It grows with the number of recently
+active users times their history length, not with the store.
+``online.history_cache_events = 0`` reads every history in full.
 
 Example::
 
