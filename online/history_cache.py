@@ -76,14 +76,19 @@ class HistoryCache:
 
     def histories(self, engine: Engine, user_ids: Sequence[str]) -> dict[str, list[HistoryEvent]]:
         """Each user's stored history in store order, the newest ``newest`` events (users
-        without stored events are absent), as ``load_histories_of`` returns it."""
+        without stored events are absent), as ``load_histories_of`` returns it. The lists
+        are the cache's own: copy one before changing it."""
         wanted = list(dict.fromkeys(user_ids))
         if self.max_events == 0:
             return load_histories_of(engine, wanted, newest=self.newest)
         now = self.clock()
         with self._lock:
-            known = {u: e for u in wanted if (e := self._entries.get(u)) is not None}
-            fresh = {u: e for u, e in known.items() if now - e.read_at <= self.max_age_s}
+            fresh = {
+                user: entry
+                for user in wanted
+                if (entry := self._entries.get(user)) is not None
+                and now - entry.read_at <= self.max_age_s
+            }
         missing = [u for u in wanted if u not in fresh]
         found: dict[str, list[HistoryEvent]] = {}
         if missing:
