@@ -19,9 +19,9 @@ ingest`` it started, the local broker (``genrec kafka up``'s, when it runs on th
 the bench itself. From the messages' ``decoding`` it also reports the users per decoding
 call (the batch grows with load) and the median suffix the target prefilled past the
 cached prefix (tokens: how far the store has moved on since the last refresh; a long
-suffix costs every request, so refresh before comparing runs). A step overloads when its p99 exceeds ``p99_ms`` or an event is left
-unanswered; each phase stops after the first step that overloads, and its held rate is the
-highest offered rate that did not.
+suffix costs every request, so refresh before comparing runs). A step overloads when its
+p99 exceeds ``p99_ms`` or an event is left unanswered; each phase stops after the first
+step that overloads, and its held rate is the highest offered rate that did not.
 
 By default each phase starts its own services as production runs them, one
 ``genrec ingest`` beside N ``genrec serve`` workers (N = 1, then 2), in fresh consumer
