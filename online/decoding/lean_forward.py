@@ -83,7 +83,10 @@ class LeanLlama:
         return _rms_norm(hidden, self.base.norm)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin [B, 1, Q, head_dim], as ``LlamaRotaryEmbedding.forward`` computes them."""
+        """cos and the half-negated sin [B, 1, Q, head_dim]: cos and sin as
+        ``LlamaRotaryEmbedding.forward`` computes them, then ``sin`` with its first half
+        negated, so that ``rotate_half(x) * sin == x.roll(half, -1) * signed_sin`` exactly
+        (a negation is exact: one op per rotation where ``rotate_half`` takes four)."""
         rotary = self.rotary
         inv_freq = rotary.inv_freq.to(device=positions.device, dtype=torch.float)
         freqs = positions[..., None].float() * inv_freq
@@ -93,7 +96,9 @@ class LeanLlama:
             cos, sin = cos * rotary.attention_scaling, sin * rotary.attention_scaling
         if dtype != torch.float32:
             cos, sin = cos.to(dtype=dtype), sin.to(dtype=dtype)
-        return cos[:, None], sin[:, None]
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos[:, None], signed_sin[:, None]
 
     def _attend(self, attn, hidden, cos, sin, mask, keys, values, start: int, stop: int):
         """One attention block: projections, RoPE, the slot write, sdpa, ``o_proj``."""
@@ -101,19 +106,15 @@ class LeanLlama:
         query = F.linear(hidden, attn.q_proj.weight).view(shape).transpose(1, 2)
         key = F.linear(hidden, attn.k_proj.weight).view(shape).transpose(1, 2)
         value = F.linear(hidden, attn.v_proj.weight).view(shape).transpose(1, 2)
-        query = (query * cos) + (_rotate_half(query) * sin)
-        key = (key * cos) + (_rotate_half(key) * sin)
+        half = self.head_dim // 2
+        query = (query * cos) + (query.roll(half, -1) * sin)  # sin: half-negated (_rope)
+        key = (key * cos) + (key.roll(half, -1) * sin)
         keys[:, :, start:stop] = key
         values[:, :, start:stop] = value
         out, _ = self.attention(attn, query, keys[:, :, :stop], values[:, :, :stop], mask,
                                 dropout=0.0, scaling=self.scaling)  # fmt: skip
         out = out.reshape(*hidden.shape[:-1], -1).contiguous()
         return F.linear(out, attn.o_proj.weight)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rms_norm(hidden: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
