@@ -26,10 +26,23 @@ tracemalloc), so the default 500,000 is ~135 MB. It grows with the number of rec
 active users times their history length, not with the store.
 ``online.history_cache_events = 0`` reads every history in full.
 
+``UnstoredEvents`` covers the other side of the same gap: the events a worker has served
+that the store does not return yet (ingest stores a batch after its fetch wait, up to
+``ingest.batch_timeout_ms`` behind the topic). Without them a user's second event within
+that lag was served from a history lacking the first one (and its prompt no longer began
+with the prompt decoded just before, so the kept prompt KV did not match either). Each is
+kept until a read of the store returns it, or for ``online.history_cache_s`` at most (an
+event ingest never stores, e.g. one the store already held under the same id, is
+forgotten then); at most ``UNSTORED_MAX_EVENTS`` in all, least recently served users
+first. It grows with the events served in the last moments of ingest lag, not with users.
+
 Example::
 
     cache = HistoryCache(max_events=500_000, max_age_s=60.0, newest=1000)
     histories = cache.histories(engine, ["7", "42"])    # user id -> [HistoryEvent, ...]
+    unstored = UnstoredEvents(max_age_s=60.0)
+    earlier = unstored.pending("7", {e.event_id for e in histories.get("7", [])})
+    unstored.add("7", served_now)                       # after serving them
 """
 
 from __future__ import annotations
@@ -47,6 +60,10 @@ from genrec.infra import metrics
 from genrec.ingest.history import HistoryEvent, load_histories_of
 
 _TS_ROW = operator.attrgetter("ts_ms", "row")  # the store's order: time, then insertion
+
+# Served events kept for the store to catch up with (``UnstoredEvents``): ingest's lag is
+# ~0.1-1 s of traffic, so this bounds a burst or an ingest outage (~270 bytes an event).
+UNSTORED_MAX_EVENTS = 100_000
 
 
 @dataclass
@@ -160,3 +177,62 @@ def _merged(
     if history and _TS_ROW(rows[0]) < _TS_ROW(history[-1]):
         merged.sort(key=_TS_ROW)
     return merged[-newest:]
+
+
+class UnstoredEvents:
+    """Per user, the events served that a store read has not returned yet (module docstring).
+    Thread-safe; ``clock`` is ``time.monotonic`` unless a test steps it."""
+
+    def __init__(
+        self,
+        max_age_s: float,
+        max_events: int = UNSTORED_MAX_EVENTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_age_s <= 0 or max_events < 0:
+            raise ValueError("max_age_s > 0 and max_events >= 0, please")
+        self.max_age_s, self.max_events, self.clock = max_age_s, max_events, clock
+        self._users: OrderedDict[str, list[tuple[HistoryEvent, float]]] = OrderedDict()
+        self._events = 0
+        self._lock = threading.Lock()
+
+    def pending(self, user_id: str, stored_ids: set[str]) -> list[HistoryEvent]:
+        """``user_id``'s served events that are not in ``stored_ids`` (the event ids of the
+        store read just made) and not older than ``max_age_s``, in the order served; the
+        others are forgotten."""
+        with self._lock:
+            kept = self._users.get(user_id)
+            if not kept:
+                return []
+            oldest = self.clock() - self.max_age_s
+            still = [(e, t) for e, t in kept if t >= oldest and e.event_id not in stored_ids]
+            self._events -= len(kept) - len(still)
+            if still:
+                self._users[user_id] = still
+            else:
+                del self._users[user_id]
+            return [e for e, _ in still]
+
+    def add(self, user_id: str, events: Sequence[HistoryEvent]) -> None:
+        """Keep ``events`` (just served, not stored yet) until the store returns them."""
+        if not events or not self.max_events:
+            return
+        now = self.clock()
+        with self._lock:
+            kept = self._users.pop(user_id, [])
+            known = {e.event_id for e, _ in kept}
+            new = [(e, now) for e in events if e.event_id not in known]
+            self._users[user_id] = kept + new  # the most recently served user last
+            self._events += len(new)
+            while self._events > self.max_events and self._users:
+                _, dropped = self._users.popitem(last=False)
+                self._events -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._users.clear()
+            self._events = 0
+
+    def __len__(self) -> int:
+        """Events held."""
+        return self._events

@@ -55,7 +55,7 @@ from genrec.infra import metrics
 from genrec.infra.settings import OnlineSettings, Settings
 from genrec.ingest.history import HistoryEvent
 from genrec.online.auto_mode import AutoMode
-from genrec.online.history_cache import HistoryCache
+from genrec.online.history_cache import HistoryCache, UnstoredEvents
 from genrec.online.merge import merge_lists
 from genrec.online.prefix_kv_store import KVStoreUnavailable
 from genrec.online.prompts import history_prompt, history_tokens
@@ -302,6 +302,7 @@ class Recommender:
             self.settings.history_cache_events, self.settings.history_cache_s,
             self.settings.max_history_events,
         )  # fmt: skip
+        self.unstored = UnstoredEvents(self.settings.history_cache_s)
         self._bundle_key: str | None = None
 
     def recommend(
@@ -358,16 +359,26 @@ class Recommender:
     # --- 1. history --------------------------------------------------------------
 
     def _histories(self, requests: Sequence[Request]) -> list[list[HistoryEvent]]:
-        """Store history + events in hand (deduplicated by event_id), in time order."""
+        """Store history + events served before that the store lacks yet + events in hand
+        (deduplicated by event_id), in time order."""
         stored = self.stored_histories.histories(self.engine, [r.user_id for r in requests])
         histories = []
         for request in requests:
             history = list(stored.get(request.user_id, []))
             known = {e.event_id for e in history}
-            extra = [e for e in request.covered if e.event_id not in known]
+            extra = self.unstored.pending(request.user_id, known)
+            known.update(e.event_id for e in extra)
+            in_hand = [
+                HistoryEvent(e.item_id, e.ts, e.event_id, None)
+                for e in request.covered
+                if e.event_id not in known
+            ]
+            self.unstored.add(request.user_id, in_hand)
+            extra += in_hand
             if extra:  # else the store's order stands: (ts, id), as sorting would leave it
-                history.extend(HistoryEvent(e.item_id, e.ts, e.event_id, None) for e in extra)
-                # Stable: store rows keep their (ts, id) order, new events follow in Kafka order.
+                history.extend(extra)
+                # Stable: store rows keep their (ts, id) order, new events follow in the
+                # order served (Kafka order within a batch).
                 history.sort(key=_TS_MS)
             histories.append(history)
         return histories

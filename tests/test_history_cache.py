@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy import Engine, insert
 
 from genrec.infra.database import make_engine
-from genrec.ingest.history import load_histories_of
-from genrec.online.history_cache import HistoryCache
+from genrec.ingest.history import HistoryEvent, load_histories_of
+from genrec.online.history_cache import HistoryCache, UnstoredEvents
 from genrec.schemas.tables import events
 
 NEWEST = 5
@@ -119,3 +119,32 @@ def test_random_traffic_always_equals_a_full_read(engine) -> None:
         batch = rng.sample(users, rng.randint(1, 6))
         clock.now += rng.random() * 2
         assert cache.histories(engine, batch) == load_histories_of(engine, batch, newest=NEWEST)
+
+
+def served(*event_ids: str) -> list[HistoryEvent]:
+    return [HistoryEvent("item", 1000, event_id, None) for event_id in event_ids]
+
+
+def test_unstored_events_wait_for_the_store_or_age_out() -> None:
+    clock = Clock()
+    unstored = UnstoredEvents(max_age_s=10.0, clock=clock)
+    unstored.add("u1", served("a", "b"))
+    unstored.add("u1", served("b", "c"))  # b again (a retried batch): kept once
+    assert [e.event_id for e in unstored.pending("u1", set())] == ["a", "b", "c"]
+    assert [e.event_id for e in unstored.pending("u1", {"a"})] == ["b", "c"]  # a is stored
+    assert unstored.pending("u1", set()) == served("b", "c")  # a is forgotten for good
+    assert unstored.pending("u2", set()) == [] and len(unstored) == 2
+    clock.now = 10.5
+    assert unstored.pending("u1", set()) == [] and len(unstored) == 0  # too old
+
+
+def test_unstored_events_keep_the_most_recently_served_users_within_the_budget() -> None:
+    unstored = UnstoredEvents(max_age_s=10.0, max_events=3, clock=Clock())
+    unstored.add("u1", served("a", "b"))
+    unstored.add("u2", served("c"))
+    unstored.add("u3", served("d"))  # 4 events: u1, served least recently, goes
+    assert unstored.pending("u1", set()) == [] and len(unstored) == 2
+    assert [e.event_id for e in unstored.pending("u3", set())] == ["d"]
+    UnstoredEvents(max_age_s=1.0, max_events=0).add("u1", served("a"))  # 0: keeps nothing
+    with pytest.raises(ValueError):
+        UnstoredEvents(max_age_s=0.0)

@@ -180,6 +180,32 @@ def test_online_prompt_is_the_cached_prefix_followed_by_the_suffix(store, cutoff
     assert gen.prefix_kv.prompt_ids + gen.suffix_tokens == gen.full_prompt
 
 
+def test_an_event_served_before_ingest_stored_it_stays_in_the_next_history(store) -> None:
+    decoder = FakeDecoder()
+    kv_store = FakeKVStore(
+        {"7": Entry(cutoff_event_row=3, cutoff_ts_ms=3000, cutoff_event_id="s3")}
+    )
+    recommender = Recommender(Settings(online={"k": 3}), store)
+    served = bundle(decoder, kv_store)
+    recommender.recommend([Request.of([event("k1", "7", "4", 4000)])], served)
+    # k1 is not stored yet (ingest lags): the next request's history still has it
+    recommender.recommend([Request.of([event("k2", "7", "5", 5000)])], served)
+    tokens = decoder.item_tokens
+    second = decoder.calls[1][0]
+    assert second.suffix_tokens == tokens.tokens_of("4") + tokens.tokens_of("5")
+    assert sorted(second.exclude) == [0, 1, 2, 3, 4]
+    with store.begin() as connection:  # ingest catches up: k1 comes from the store now
+        connection.execute(
+            insert(events),
+            [{"event_id": "k1", "user_id": "7", "item_id": "4", "event_type": "view",
+              "ts_ms": 4000}],
+        )  # fmt: skip
+    recommender.recommend([Request.of([event("k3", "7", "6", 6000)])], served)
+    third = decoder.calls[2][0]
+    assert third.suffix_tokens == sum((tokens.tokens_of(i) for i in "456"), [])  # once each
+    assert len(recommender.unstored) == 2  # k2 and k3 wait for the store; k1 is in it
+
+
 def test_the_search_is_twice_k_wide_unless_set_and_k_items_are_served(store) -> None:
     request = Request.of([event("w1", "7", "4", 4000)])
     for online, beams in (({"k": 3}, 6), ({"k": 3, "beam_width": 4}, 4)):
