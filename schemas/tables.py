@@ -71,7 +71,15 @@ events = Table(
     Column("kafka_offset", BigInteger, nullable=True),
     Column("ingested_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
 )
-Index("ix_events_user_ts", events.c.user_id, events.c.ts_ms, events.c.id)
+# Every history read (ingest.history) is "these users' events in (time, insertion) order,
+# item and event id": with those two columns in the index too, it is an index-only scan,
+# one sequential run per user, not a table lookup per event (SQLite, 64 ML-100K users /
+# ~15,900 rows: 33 -> 13 ms; a store bigger than memory would pay a page read per event).
+# ~60 bytes more an event than (user_id, ts_ms, id) alone, which it replaces.
+Index(
+    "ix_events_user_history",
+    events.c.user_id, events.c.ts_ms, events.c.id, events.c.item_id, events.c.event_id,
+)  # fmt: skip
 # No index on item_id: nothing reads events by item, and every index costs ingest time.
 
 # --- semantic ids -----------------------------------------------------------

@@ -7,7 +7,7 @@ import itertools
 import random
 
 import pytest
-from sqlalchemy import Engine, insert
+from sqlalchemy import Engine, insert, select, text
 
 from genrec.infra.database import make_engine
 from genrec.ingest.history import HistoryEvent, load_histories_of
@@ -148,3 +148,32 @@ def test_unstored_events_keep_the_most_recently_served_users_within_the_budget()
     UnstoredEvents(max_age_s=1.0, max_events=0).add("u1", served("a"))  # 0: keeps nothing
     with pytest.raises(ValueError):
         UnstoredEvents(max_age_s=0.0)
+
+
+def test_histories_read_through_the_driver_equal_sqlalchemy_rows(engine) -> None:
+    rng = random.Random(3)
+    add(engine, [(f"u{rng.randrange(6)}", f"i{n}", rng.randrange(50)) for n in range(60)])
+    columns = (events.c.user_id, events.c.item_id, events.c.ts_ms, events.c.event_id, events.c.id)
+    query = select(*columns).order_by(events.c.user_id, events.c.ts_ms, events.c.id)
+    expected: dict[str, list] = {}
+    with engine.connect() as connection:
+        for user, *fields in connection.execute(query.where(events.c.user_id.in_(["u1", "u4"]))):
+            expected.setdefault(user, []).append(HistoryEvent(*fields))
+    assert load_histories_of(engine, ["u4", "u1", "nobody"]) == expected
+    floor = expected["u1"][2].row
+    newer = {u: [e for e in h if e.row > floor] for u, h in expected.items()}
+    assert load_histories_of(engine, ["u1", "u4"], after_row=floor) == {
+        u: h for u, h in newer.items() if h
+    }
+
+
+def test_a_history_read_is_an_index_only_scan_on_sqlite(tmp_path) -> None:
+    engine = make_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    with engine.connect() as connection:
+        plan = connection.execute(
+            text(
+                "EXPLAIN QUERY PLAN SELECT user_id, item_id, ts_ms, event_id, id FROM events"
+                " WHERE user_id IN ('1', '2') ORDER BY user_id, ts_ms, id"
+            )
+        ).all()
+    assert any("COVERING INDEX ix_events_user_history" in row[-1] for row in plan), plan
