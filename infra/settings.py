@@ -92,6 +92,31 @@ class KafkaSettings(BaseModel):
             config["ssl_check_hostname"] = self.ssl_check_hostname
         return config
 
+    def librdkafka_config(self) -> dict[str, Any]:
+        """The same options under librdkafka's names (``infra/librdkafka.py``)."""
+        config: dict[str, Any] = {
+            "bootstrap.servers": ",".join(
+                s.strip() for s in self.bootstrap.split(",") if s.strip()
+            ),
+            "security.protocol": self.security_protocol,
+            "client.id": self.client_id,
+        }
+        optional = {
+            "sasl.mechanism": self.sasl_mechanism,
+            "sasl.username": self.sasl_plain_username,
+            "sasl.password": _reveal(self.sasl_plain_password),
+            "ssl.ca.location": self.ssl_cafile,
+            "ssl.certificate.location": self.ssl_certfile,
+            "ssl.key.location": self.ssl_keyfile,
+            "ssl.key.password": _reveal(self.ssl_password),
+        }
+        config.update({k: v for k, v in optional.items() if v is not None})
+        if self.security_protocol in ("SSL", "SASL_SSL"):
+            config["ssl.endpoint.identification.algorithm"] = (
+                "https" if self.ssl_check_hostname else "none"
+            )
+        return config
+
 
 class IngestSettings(BaseModel):
     """The ingest consumer: batching, limits and its consumer group."""
@@ -196,6 +221,10 @@ class OnlineSettings(BaseModel):
     draft: str | None = None
     version_poll_s: float = Field(default=5.0, gt=0)
     publish_timeout_s: float = Field(default=30.0, gt=0)
+    # Which client publishes at-least-once recommendations: librdkafka (confluent-kafka: the
+    # produce work in C threads, ~10% of a worker's CPU less) or kafka-python's producer.
+    # Exactly-once always uses kafka-python's transactional producer (infra/librdkafka.py).
+    producer_client: Literal["librdkafka", "kafka-python"] = "librdkafka"
     # How soon a crashed (kill -9) worker's partitions move to the others.
     session_timeout_ms: int = Field(default=10_000, ge=1)
     max_poll_interval_ms: int = Field(default=300_000, ge=1)  # longest time one batch may take

@@ -52,6 +52,7 @@ from kafka.structs import OffsetAndMetadata, TopicPartition
 from genrec.infra import metrics
 from genrec.infra.consumer_loop import BatchHandler, ConsumerLoop
 from genrec.infra.kafka_clients import open_client
+from genrec.infra.librdkafka import LibrdkafkaProducer
 from genrec.infra.settings import Settings
 from genrec.infra.topics import subscribe_when_ready
 from genrec.online.batch_pipeline import BatchTimer, DecodeStage, InFlightBatch
@@ -589,6 +590,8 @@ class OnlineWorker(BatchHandler):
     def _kafka_producer(self) -> Any:
         # linger 0: a batch's messages leave at once (the decode thread sends them all in
         # one go, and the sender packs whatever queued meanwhile into its next request).
+        if not self.exactly_once and self.online.producer_client == "librdkafka":
+            return LibrdkafkaProducer(self.settings.kafka, linger_ms=0)
         options: dict[str, Any] = {"acks": "all", "linger_ms": 0, "enable_idempotence": True}
         if self.exactly_once:
             options["transactional_id"] = self.online.transactional_id()

@@ -18,7 +18,7 @@
 set -uo pipefail
 
 PY=${PYTHON:-python3}
-WHEELS=(kafka-python crc32c sqlalchemy greenlet pydantic pydantic-core annotated-types
+WHEELS=(kafka-python confluent-kafka crc32c sqlalchemy greenlet pydantic pydantic-core annotated-types
         typing-inspection pydantic-settings python-dotenv)
 
 download_wheels() {
