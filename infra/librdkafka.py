@@ -39,6 +39,7 @@ log = logging.getLogger("genrec.kafka")
 
 REPORTS_POLL_S = 0.05  # the delivery thread's longest wait in librdkafka (C, GIL released)
 FULL_QUEUE_RETRY_S = 0.01  # a full local queue: serve reports, then try the message again
+CLOSE_TIMEOUT_S = 30.0  # a close waits this long for queued messages (a broker away: no hang)
 
 
 class ProduceFailed(Exception):
@@ -133,8 +134,9 @@ class LibrdkafkaProducer:
         """Wait for every queued message's report; returns how many are still queued."""
         return self._producer.flush(-1 if timeout is None else timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Deliver what is queued (up to ``timeout`` s), then stop the delivery thread."""
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Deliver what is queued (up to ``timeout`` s; the rest fail, their offsets stay
+        uncommitted and are served again), then stop the delivery thread."""
         left = self.flush(timeout)
         if left:
             log.warning("producer closed with %d messages undelivered", left)
