@@ -135,8 +135,8 @@ class LibrdkafkaProducer:
         return self._producer.flush(-1 if timeout is None else timeout)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
-        """Deliver what is queued (up to ``timeout`` s; the rest fail, their offsets stay
-        uncommitted and are served again), then stop the delivery thread."""
+        """Deliver what is queued (up to ``timeout`` s; the rest are never acknowledged, so their
+        offsets stay uncommitted and are served again), then stop the delivery thread."""
         left = self.flush(timeout)
         if left:
             log.warning("producer closed with %d messages undelivered", left)
