@@ -110,7 +110,7 @@ class LibrdkafkaProducer:
             raise KafkaUnreachableError(
                 silent_message(kafka, kafka.connect_timeout_s, exc)
             ) from exc
-        self.max_block_s = max_block_s
+        self.max_block_s, self.connect_timeout_s = max_block_s, kafka.connect_timeout_s
         self._stopping = threading.Event()
         self._reports = threading.Thread(
             target=self._serve_reports, name="librdkafka-deliveries", daemon=True
@@ -129,6 +129,12 @@ class LibrdkafkaProducer:
                 if time.monotonic() >= deadline:
                     raise
                 self._producer.poll(FULL_QUEUE_RETRY_S)
+
+    def partitions_for(self, topic: str) -> set[int]:
+        """The topic's partition ids (a metadata request; empty for an unknown topic)."""
+        metadata = self._producer.list_topics(topic, timeout=self.connect_timeout_s)
+        found = metadata.topics.get(topic)
+        return set() if found is None or found.error is not None else set(found.partitions)
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait for every queued message's report; returns how many are still queued."""
