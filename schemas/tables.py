@@ -75,7 +75,9 @@ events = Table(
 # item and event id": with those two columns in the index too, it is an index-only scan,
 # one sequential run per user, not a table lookup per event (SQLite, 64 ML-100K users /
 # ~15,900 rows: 33 -> 13 ms; a store bigger than memory would pay a page read per event).
-# ~60 bytes more an event than (user_id, ts_ms, id) alone, which it replaces.
+# ~60 bytes more an event than (user_id, ts_ms, id) alone, which it replaces, and ~1.8 us
+# more CPU an insert (SQLite, batches of 5,000: 5.0 -> 6.8 us; ingest spends 4-5% of a core
+# at 100 events/s either way).
 Index(
     "ix_events_user_history",
     events.c.user_id, events.c.ts_ms, events.c.id, events.c.item_id, events.c.event_id,
