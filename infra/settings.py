@@ -42,6 +42,20 @@ def _default_home() -> Path:
     return Path.cwd()
 
 
+# kafka-python's option -> librdkafka's (KafkaSettings.librdkafka_config)
+_LIBRDKAFKA_NAMES = {
+    "security_protocol": "security.protocol",
+    "client_id": "client.id",
+    "sasl_mechanism": "sasl.mechanism",
+    "sasl_plain_username": "sasl.username",
+    "sasl_plain_password": "sasl.password",
+    "ssl_cafile": "ssl.ca.location",
+    "ssl_certfile": "ssl.certificate.location",
+    "ssl_keyfile": "ssl.key.location",
+    "ssl_password": "ssl.key.password",
+}
+
+
 class KafkaSettings(BaseModel):
     """Where the Kafka cluster is and how to reach it; security options pass through."""
 
@@ -93,28 +107,15 @@ class KafkaSettings(BaseModel):
         return config
 
     def librdkafka_config(self) -> dict[str, Any]:
-        """The same options under librdkafka's names (``infra/librdkafka.py``)."""
-        config: dict[str, Any] = {
-            "bootstrap.servers": ",".join(
-                s.strip() for s in self.bootstrap.split(",") if s.strip()
-            ),
-            "security.protocol": self.security_protocol,
-            "client.id": self.client_id,
-        }
-        optional = {
-            "sasl.mechanism": self.sasl_mechanism,
-            "sasl.username": self.sasl_plain_username,
-            "sasl.password": _reveal(self.sasl_plain_password),
-            "ssl.ca.location": self.ssl_cafile,
-            "ssl.certificate.location": self.ssl_certfile,
-            "ssl.key.location": self.ssl_keyfile,
-            "ssl.key.password": _reveal(self.ssl_password),
-        }
-        config.update({k: v for k, v in optional.items() if v is not None})
-        if self.security_protocol in ("SSL", "SASL_SSL"):
-            config["ssl.endpoint.identification.algorithm"] = (
-                "https" if self.ssl_check_hostname else "none"
-            )
+        """``client_config`` under librdkafka's names (``infra/librdkafka.py``): one list
+        of the options that pass through, for both client libraries."""
+        client = self.client_config()
+        config: dict[str, Any] = {"bootstrap.servers": ",".join(client.pop("bootstrap_servers"))}
+        check_hostname = client.pop("ssl_check_hostname", None)
+        if check_hostname is not None:
+            config["ssl.endpoint.identification.algorithm"] = "https" if check_hostname else "none"
+        # an option client_config gains without a name here is a KeyError, not dropped
+        config.update({_LIBRDKAFKA_NAMES[name]: value for name, value in client.items()})
         return config
 
 
