@@ -61,6 +61,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -315,7 +316,7 @@ class TrieTables:
             raise ValueError(f"item rows must lie in [0, {n_items})")
         # NumPy on the host: a batch's few hundred keys per user cost a torch op's dispatch
         # (~10 us on the 2-core CPU) a dozen times over; the sets are the same either way
-        item_nodes, items_under = self._host_tables()
+        item_nodes, items_under = self._host_tables
         users = np.repeat(np.arange(len(exclude), dtype=np.int64), lengths)
         pairs = np.unique(users * n_items + rows)  # one (user, item) per excluded item
         users, rows = np.divmod(pairs, n_items)
@@ -327,10 +328,8 @@ class TrieTables:
         keys = torch.from_numpy(np.sort(np.concatenate(dead)))
         return DeadNodes(keys.to(self.edge_key.device), len(exclude), n_nodes)
 
+    @functools.cached_property
     def _host_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """``item_nodes`` and ``items_under`` as host arrays: views of CPU tables, one copy
         (kept) of tables on a GPU, ~24 bytes an item on a 4-level layout."""
-        host = self.__dict__.get("_host")
-        if host is None:
-            host = self._host = (self.item_nodes.cpu().numpy(), self.items_under.cpu().numpy())
-        return host
+        return self.item_nodes.cpu().numpy(), self.items_under.cpu().numpy()
