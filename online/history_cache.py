@@ -21,9 +21,11 @@ full again, which bounds how long the history can lack it (the events in hand fr
 are always merged on top, by ``Recommender``).
 
 Memory: at most ``online.history_cache_events`` events (least recently used users go
-first); a ``HistoryEvent`` of ML-100K costs ~270 bytes with its strings (measured with
-tracemalloc), so the default 500,000 is ~135 MB. It grows with the number of recently
-active users times their history length, not with the store.
+first); an ML-100K event costs ~220 bytes in a ``History``'s columns with its strings
+(measured with tracemalloc; 275 as a list of ``HistoryEvent``), so the default 500,000 is
+~110 MB. It grows with the number of recently active users times their history length,
+not with the store. Held as columns, a user's history is one object the cyclic garbage
+collector walks, not one per event (``genrec.ingest.history.History``).
 ``online.history_cache_events = 0`` reads every history in full.
 
 ``UnstoredEvents`` covers the other side of the same gap: the events a worker has served
@@ -39,7 +41,7 @@ first. It grows with the events served in the last moments of ingest lag, not wi
 Example::
 
     cache = HistoryCache(max_events=500_000, max_age_s=60.0, newest=1000)
-    histories = cache.histories(engine, ["7", "42"])    # user id -> [HistoryEvent, ...]
+    histories = cache.histories(engine, ["7", "42"])    # user id -> History
     unstored = UnstoredEvents(max_age_s=60.0)
     earlier = unstored.pending("7", {e.event_id for e in histories.get("7", [])})
     unstored.add("7", served_now)                       # after serving them
@@ -47,7 +49,6 @@ Example::
 
 from __future__ import annotations
 
-import operator
 import threading
 import time
 from collections import OrderedDict
@@ -57,9 +58,7 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from genrec.infra import metrics
-from genrec.ingest.history import HistoryEvent, load_histories_of
-
-_TS_ROW = operator.attrgetter("ts_ms", "row")  # the store's order: time, then insertion
+from genrec.ingest.history import History, HistoryEvent, load_histories_of
 
 # Served events kept for the store to catch up with (``UnstoredEvents``): ingest's lag is
 # ~0.1-1 s of traffic, so this bounds a burst or an ingest outage (~270 bytes an event).
@@ -68,7 +67,7 @@ UNSTORED_MAX_EVENTS = 100_000
 
 @dataclass
 class _Entry:
-    history: list[HistoryEvent]  # stored rows only, in store order, the newest ``newest``
+    history: History  # stored rows only, in store order, the newest ``newest``
     watermark: int  # >= every events.id of the user when last read
     read_at: float  # time.monotonic() of the last full read
 
@@ -91,10 +90,9 @@ class HistoryCache:
         self._events = 0  # held over all entries
         self._lock = threading.Lock()
 
-    def histories(self, engine: Engine, user_ids: Sequence[str]) -> dict[str, list[HistoryEvent]]:
+    def histories(self, engine: Engine, user_ids: Sequence[str]) -> dict[str, History]:
         """Each user's stored history in store order, the newest ``newest`` events (users
-        without stored events are absent), as ``load_histories_of`` returns it. The lists
-        are the cache's own: copy one before changing it."""
+        without stored events are absent), as ``load_histories_of`` returns it."""
         wanted = list(dict.fromkeys(user_ids))
         if self.max_events == 0:
             return load_histories_of(engine, wanted, newest=self.newest)
@@ -107,41 +105,35 @@ class HistoryCache:
                 and now - entry.read_at <= self.max_age_s
             }
         missing = [u for u in wanted if u not in fresh]
-        found: dict[str, list[HistoryEvent]] = {}
+        found: dict[str, History] = {}
         if missing:
             found.update(self._read_in_full(engine, missing, now))
         if fresh:
             found.update(self._read_new_rows(engine, fresh))
         return found
 
-    def _read_in_full(
-        self, engine: Engine, users: list[str], now: float
-    ) -> dict[str, list[HistoryEvent]]:
+    def _read_in_full(self, engine: Engine, users: list[str], now: float) -> dict[str, History]:
         read = load_histories_of(engine, users, newest=self.newest)
         metrics.HISTORY_READS.labels(read="full").inc(len(users))
         # Every row inserted after this read has a higher id than any row it returned; a
         # read that returned nothing gives no such bound: those users are not kept.
-        rows = [e.row for h in read.values() for e in h if e.row is not None]
+        rows = [row for h in read.values() for row in h.rows if row is not None]
         watermark = max(rows) if rows else None
         if watermark is not None:
             with self._lock:
                 for user in users:
-                    self._keep(user, _Entry(read.get(user, []), watermark, now))
+                    self._keep(user, _Entry(read.get(user, History()), watermark, now))
         return read
 
-    def _read_new_rows(
-        self, engine: Engine, cached: dict[str, _Entry]
-    ) -> dict[str, list[HistoryEvent]]:
+    def _read_new_rows(self, engine: Engine, cached: dict[str, _Entry]) -> dict[str, History]:
         floor = min(e.watermark for e in cached.values())
         new = load_histories_of(engine, list(cached), newest=self.newest, after_row=floor)
         metrics.HISTORY_READS.labels(read="incremental").inc(len(cached))
-        top = max((e.row for h in new.values() for e in h if e.row is not None), default=floor)
+        top = max((r for h in new.values() for r in h.rows if r is not None), default=floor)
         found = {}
         with self._lock:
             for user, entry in cached.items():
-                rows = [
-                    e for e in new.get(user, ()) if e.row is not None and e.row > entry.watermark
-                ]
+                rows = _stored_after(new.get(user), entry.watermark)
                 history = _merged(entry.history, rows, self.newest) if rows else entry.history
                 self._keep(user, _Entry(history, max(entry.watermark, top), entry.read_at))
                 if history:
@@ -168,14 +160,23 @@ class HistoryCache:
         return len(self._entries)
 
 
-def _merged(
-    history: list[HistoryEvent], rows: list[HistoryEvent], newest: int
-) -> list[HistoryEvent]:
+def _stored_after(history: History | None, watermark: int) -> History | None:
+    """The events of ``history`` stored after ``watermark`` (None when there are none)."""
+    if history is None:
+        return None
+    keep = [i for i, row in enumerate(history.rows) if row is not None and row > watermark]
+    if len(keep) == len(history):
+        return history
+    return history.take(keep) if keep else None
+
+
+def _merged(history: History, rows: History, newest: int) -> History:
     """``history`` plus newer stored ``rows``, in store order, cut to the newest ``newest``."""
     merged = history + rows
     # the rows come in store order: only a late event (older than the newest held) re-sorts
-    if history and _TS_ROW(rows[0]) < _TS_ROW(history[-1]):
-        merged.sort(key=_TS_ROW)
+    if history and (rows.ts_ms[0], rows.rows[0]) < (history.ts_ms[-1], history.rows[-1]):
+        times, rows = merged.ts_ms, merged.rows
+        merged = merged.take(sorted(range(len(merged)), key=lambda i: (times[i], rows[i])))
     return merged[-newest:]
 
 

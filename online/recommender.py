@@ -41,7 +41,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import operator
 import threading
 import time
 from collections import OrderedDict
@@ -53,7 +52,7 @@ from sqlalchemy import Engine
 
 from genrec.infra import metrics
 from genrec.infra.settings import OnlineSettings, Settings
-from genrec.ingest.history import HistoryEvent
+from genrec.ingest.history import History, HistoryEvent
 from genrec.online.auto_mode import AutoMode
 from genrec.online.history_cache import HistoryCache, UnstoredEvents
 from genrec.online.merge import merge_lists
@@ -309,7 +308,7 @@ class Recommender:
         self,
         requests: Sequence[Request],
         bundle,
-        histories: Sequence[list[HistoryEvent]] | None = None,
+        histories: Sequence[Sequence[HistoryEvent]] | None = None,
     ) -> list[RecommendationMessage]:
         """One message per request, in request order: ``prepare`` then ``finish``."""
         return self.finish(self.prepare(requests, bundle, histories))
@@ -318,7 +317,7 @@ class Recommender:
         self,
         requests: Sequence[Request],
         bundle,
-        histories: Sequence[list[HistoryEvent]] | None = None,
+        histories: Sequence[Sequence[HistoryEvent]] | None = None,
     ) -> PreparedBatch:
         """Everything but the decoding: histories (one query), prefix KVs, branch lists.
 
@@ -335,6 +334,8 @@ class Recommender:
             histories = self._histories(requests)
         elif len(histories) != len(requests):
             raise ValueError(f"{len(histories)} histories for {len(requests)} requests")
+        else:
+            histories = [History.of(h) for h in histories]
         metrics.STAGE_LATENCY.labels(stage="history").observe(time.perf_counter() - started)
         gen_requests, decoding = self._generative_requests(requests, histories, bundle)
         lists = self._branches(requests, histories, bundle)
@@ -358,14 +359,14 @@ class Recommender:
 
     # --- 1. history --------------------------------------------------------------
 
-    def _histories(self, requests: Sequence[Request]) -> list[list[HistoryEvent]]:
+    def _histories(self, requests: Sequence[Request]) -> list[History]:
         """Store history + events served before that the store lacks yet + events in hand
         (deduplicated by event_id), in time order."""
         stored = self.stored_histories.histories(self.engine, [r.user_id for r in requests])
         histories = []
         for request in requests:
-            history = list(stored.get(request.user_id, []))
-            known = {e.event_id for e in history}
+            history = stored.get(request.user_id) or History()
+            known = set(history.event_ids)
             extra = self.unstored.pending(request.user_id, known)
             known.update(e.event_id for e in extra)
             in_hand = [
@@ -376,10 +377,9 @@ class Recommender:
             self.unstored.add(request.user_id, in_hand)
             extra += in_hand
             if extra:  # else the store's order stands: (ts, id), as sorting would leave it
-                history.extend(extra)
                 # Stable: store rows keep their (ts, id) order, new events follow in the
                 # order served (Kafka order within a batch).
-                history.sort(key=_TS_MS)
+                history = (history + extra).in_time_order()
             histories.append(history)
         return histories
 
@@ -471,7 +471,7 @@ class Recommender:
         ``store_down``: none because the KV store was unreachable."""
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
-        item_ids = [e.item_id for e in history]
+        item_ids = history.item_ids
         seen = []
         if self.settings.exclude_seen:
             index = item_tokens.index
@@ -481,7 +481,8 @@ class Recommender:
         entry, prefix_kv = cached or (None, None)
         if prefix_kv is not None:
             cutoff = entry.cutoff_event_row
-            suffix = [e.item_id for e in history if e.row is None or e.row > cutoff]
+            suffix = [i for i, row in zip(item_ids, history.rows, strict=True)
+                      if row is None or row > cutoff]  # fmt: skip
             gen.prefix_kv = prefix_kv
             # The cached prompt was built by history_prompt at the refresh: the suffix is
             # laid out by the same builder, so prefix + suffix is the prompt of the history.
@@ -521,8 +522,8 @@ class Recommender:
 
     def _branches(self, requests, histories, bundle) -> dict[str, list[list[tuple[str, float]]]]:
         started = time.perf_counter()
-        items = [[e.item_id for e in h] for h in histories]
-        timestamps = [[e.ts_ms for e in h] for h in histories]
+        items = [h.item_ids for h in histories]
+        timestamps = [h.ts_ms for h in histories]
         # None: no branch leaves anything out (re-consumption allowed, online.exclude_seen)
         excludes = [set(h) for h in items] if self.settings.exclude_seen else None
         depth = max(self.settings.k, self.recall.merge_depth)  # merged lists need some depth
@@ -566,9 +567,6 @@ class Recommender:
             decoding=decoding,
             latency_ms=(time.monotonic() - request.received_at) * 1000.0,
         )
-
-
-_TS_MS = operator.attrgetter("ts_ms")
 
 
 def _generative_codes(rows: Sequence[tuple[str, float]], bundle) -> dict[str, list[int]]:

@@ -9,6 +9,7 @@ from sqlalchemy import Engine, func, insert, select
 
 from genrec.infra.database import make_engine
 from genrec.ingest.history import (
+    History,
     HistoryEvent,
     history_pages,
     load_histories_of,
@@ -122,3 +123,34 @@ def test_pages_of_users_below_a_row_cutoff_skip_inactive_ones(engine) -> None:
     [first] = history_pages(engine, until_row=3, users_per_page=5)
     assert first == {"u00": load_user_histories(engine)["u00"][:3]}
     assert list(history_pages(engine, until_row=0, users_per_page=4, active_days=1.0)) == []
+
+
+def test_a_history_holds_columns_and_reads_as_events() -> None:
+    events_in = [HistoryEvent("i1", 20, "e1", 1), HistoryEvent("i2", 10, "e2", None),
+                 HistoryEvent("i3", 20, "e3", 3)]  # fmt: skip
+    history = History.of(events_in)
+    assert history == events_in and list(history) == events_in and len(history) == 3
+    assert history.item_ids == ("i1", "i2", "i3") and history.rows == (1, None, 3)
+    assert history[1] == events_in[1] and history[-1].event_id == "e3"
+    assert history[1:] == events_in[1:] and isinstance(history[1:], History)
+    assert history + [HistoryEvent("i4", 5, "e4", None)] == [*events_in, ("i4", 5, "e4", None)]
+    # stable: the two events at 20 keep their order
+    assert history.in_time_order().event_ids == ("e2", "e1", "e3")
+    in_order = history.in_time_order().in_time_order()
+    assert in_order.in_time_order() is in_order and History.of(in_order) is in_order
+    assert History.of([]) == [] and not History()
+    with pytest.raises(ValueError, match="same length"):
+        History(("i1",), (1,), (), ())
+
+
+def test_stored_histories_are_columns_the_garbage_collector_lets_go(engine) -> None:
+    """A user's history is one tracked object: its columns are plain tuples of strings and
+    ints, which the cyclic collector untracks (a list of named tuples stays tracked)."""
+    import gc
+
+    add_events(engine, [(f"e{i}", "u1", f"i{i}", 1000 + i) for i in range(50)])
+    history = load_histories_of(engine, ["u1"])["u1"]
+    gc.collect()
+    columns = (history.item_ids, history.ts_ms, history.event_ids, history.rows)
+    assert not any(gc.is_tracked(column) for column in columns)
+    assert [e.event_id for e in history] == [f"e{i}" for i in range(50)]
