@@ -815,6 +815,9 @@ class _FlatIndexVectors:
 
 
 DEFAULT_ANN_NPROBE = 32  # IVF lists a search reads (RecallSettings.ann_nprobe)
+# hits past k an ANN search reads first, for the exclusions, in multiples of k: on the demo's
+# store (users exclude ~500 of 1,682 items) 2k left 1 user in 200 short of k, k 7, k/3 191
+ANN_FIRST_MARGIN = 2
 
 
 class AnnBranch(RecallBranch):
@@ -911,33 +914,50 @@ class AnnBranch(RecallBranch):
         return normalize_rows(vectors)
 
     def recommend_batch(self, histories, k, excludes=None, timestamps_ms=None, chunk_size=1024):
-        """Searches k + |exclude| neighbors so that k survive the exclusion."""
+        """The ``k`` nearest items not excluded. A user's exclusions (their history) are few
+        of their nearest items, so the search goes ``k * (1 + ANN_FIRST_MARGIN)`` deep first and
+        ``k + |exclude|`` deep (where no exclusion can leave fewer than ``k``) only for the
+        users whose exclusions left fewer than ``k`` there; one search ``k + |exclude|`` deep
+        for all read up to ~950 results a user on the demo's store (0.09 against 0.05 ms of
+        search a user at 150), and grows with the longest history of the batch."""
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
         excludes = excludes if excludes is not None else [None] * len(histories)
         timestamps_ms = timestamps_ms if timestamps_ms is not None else [None] * len(histories)
         excluded = [set(e) if e else set() for e in excludes]
-        depth = min(len(self.item_ids), k + max((len(e) for e in excluded), default=0))
+        n_items = len(self.item_ids)
         vectors = self.user_vectors(histories, timestamps_ms)
-        scores, positions = self.index.search(vectors, depth) if len(histories) else ([], [])
-        results = []
-        for row_scores, row_positions, exclude in zip(scores, positions, excluded, strict=True):
-            results.append(self._kept(row_scores.tolist(), row_positions.tolist(), exclude, k))
+        results: list[list[Recommendation]] = [[] for _ in histories]
+        rows = list(range(len(histories)))
+        longest = max(map(len, excluded), default=0)
+        depth = min(n_items, k + min(ANN_FIRST_MARGIN * k, longest))
+        while rows and depth:
+            scores, positions = self.index.search(vectors[rows], depth)
+            deeper = []
+            for row, row_scores, row_positions in zip(rows, scores, positions, strict=True):
+                kept, read_all = self._kept(row_scores.tolist(), row_positions.tolist(),
+                                            excluded[row], k)  # fmt: skip
+                results[row] = kept
+                # short of k after reading every hit, and a deeper search could find more
+                if read_all and len(kept) < k and depth < min(n_items, k + len(excluded[row])):
+                    deeper.append(row)
+            rows = deeper
+            depth = min(n_items, k + max((len(excluded[row]) for row in rows), default=0))
         return results
 
     def _kept(self, scores: list[float], positions: list[int], exclude: set[str], k: int):
-        """The first ``k`` hits with a positive score and not excluded; stops at ``k`` (the
-        search is ``k`` + the longest exclusion of the batch deep: most of it is not read)."""
+        """(the first ``k`` hits with a positive score and not excluded, and whether every hit
+        was read without meeting the end of the positive ones: a deeper search may add)."""
         kept: list[Recommendation] = []
         for score, position in zip(scores, positions, strict=True):
             if position < 0 or score <= 0:  # FAISS pads a short list with -1 (and -inf / 0)
-                continue
+                return kept, False  # hits come best first: nothing positive lies deeper
             item_id = self.item_ids[position]
             if item_id not in exclude:
                 kept.append((item_id, score))
                 if len(kept) == k:
-                    break
-        return kept
+                    return kept, False
+        return kept, True
 
     @property
     def is_ivf(self) -> bool:

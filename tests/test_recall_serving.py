@@ -114,6 +114,40 @@ def test_empty_batches_and_histories() -> None:
     assert popularity.recommend_batch([[], ["b"]], 5, [None, {"b", "zzz"}]) == [[("b", 2.0)], []]
 
 
+@pytest.mark.parametrize("excluded_nearest", [0, 5, 20, 21, 40, 299])
+def test_ann_searches_deeper_only_where_exclusions_ate_the_first_search(excluded_nearest) -> None:
+    """Users whose nearest items are excluded (more than ``ANN_FIRST_MARGIN * k``) get
+    the same k items as a search ``k + |exclude|`` deep; the others are not searched again."""
+    from genrec.online.branches import ANN_FIRST_MARGIN
+
+    rng = np.random.default_rng(11)
+    items = [f"i{n}" for n in range(300)]
+    vectors = rng.normal(size=(300, 8)).astype(np.float32)
+    branch = AnnBranch.fit(items, vectors, last_m=3, half_life_items=None, half_life_days=None)
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    histories = [[items[i]] for i in rng.integers(0, 300, size=12)]
+    dense = branch.user_vectors(histories, [None] * len(histories)) @ unit.T
+    nearest = np.argsort(-dense, axis=1, kind="stable")
+    # half the users exclude their nearest items, the others only their own history
+    excludes = [
+        {items[i] for i in nearest[u, :excluded_nearest]} | set(h) if u % 2 else set(h)
+        for u, h in enumerate(histories)
+    ]
+    searched = []
+    search = branch.index.search
+    branch.index.search = lambda x, depth: searched.append((len(x), depth)) or search(x, depth)
+    got = branch.recommend_batch(histories, 10, excludes)
+    for user, row in enumerate(got):
+        expected = dense_top_k(branch, dense[user], 10, excludes[user])
+        assert [i for i, _ in row] == [i for i, _ in expected]
+        assert [s for _, s in row] == pytest.approx([s for _, s in expected], abs=1e-5)
+    assert searched[0] == (12, 10 + min(ANN_FIRST_MARGIN * 10, max(map(len, excludes))))
+    if excluded_nearest <= ANN_FIRST_MARGIN * 10:  # (the history item is the nearest one)
+        assert len(searched) == 1
+    else:  # the excluding half again, as deep as their exclusions
+        assert searched[1:] == [(6, min(300, 10 + max(map(len, excludes[1::2]))))]
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_ann_matches_brute_force_over_the_catalog(seed: int) -> None:
     """ANN serves through FAISS as before; its embeddings now are the index's own storage."""
