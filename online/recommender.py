@@ -474,8 +474,9 @@ class Recommender:
         item_ids = history.item_ids
         seen = []
         if self.settings.exclude_seen:
-            index = item_tokens.index
-            seen = sorted({index[item_id] for item_id in item_ids if item_id in index})
+            rows = set(map(item_tokens.index.get, item_ids))  # one lookup an item, not two
+            rows.discard(None)  # items the model does not know
+            seen = sorted(rows)
         full_prompt = history_prompt(item_ids, item_tokens, window)
         gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
         entry, prefix_kv = cached or (None, None)

@@ -289,16 +289,19 @@ class TrieTables:
     def dead_children(self, dead: DeadNodes) -> DeadChildren | None:
         """``dead`` keyed by parent and code (``DeadChildren``; the root and the sink, which
         hang nowhere, are left out; None if nothing else is dead)."""
-        users, nodes = dead.keys // self.n_nodes, dead.keys % self.n_nodes
+        # NumPy on the host, as ``dead_nodes``: its sort of a batch's ~60,000 keys takes
+        # 0.3 ms where torch's takes 1.6 (41 users excluding ~500 items each, 2-core CPU)
+        users, nodes = np.divmod(dead.keys.cpu().numpy(), self.n_nodes)
         keep = (nodes > 0) & (nodes < self.sink)
         users, nodes = users[keep], nodes[keep]
         if not len(nodes):
             return None
-        item = (nodes - self.item_offset).clamp(min=0, max=self.trie.n_items - 1)
-        edge = torch.where(nodes < self.item_offset, nodes - 1, self.edge_of_item[item].long())
+        edge_of_item, edge_key = self._host_edges
+        item = np.clip(nodes - self.item_offset, 0, self.trie.n_items - 1)
+        edge = np.where(nodes < self.item_offset, nodes - 1, edge_of_item[item])
         stride = self.n_nodes * self.width
-        keys = (users * stride + self.edge_key[edge]).sort().values
-        return DeadChildren(keys, stride, self.width)
+        keys = torch.from_numpy(np.sort(users * stride + edge_key[edge]))
+        return DeadChildren(keys.to(self.edge_key.device), stride, self.width)
 
     def items(self, nodes: torch.Tensor) -> torch.Tensor:
         """Catalog row of each complete-item node, -1 for any other node."""
@@ -318,15 +321,24 @@ class TrieTables:
         # (~10 us on the 2-core CPU) a dozen times over; the sets are the same either way
         item_nodes, items_under = self._host_tables
         users = np.repeat(np.arange(len(exclude), dtype=np.int64), lengths)
-        pairs = np.unique(users * n_items + rows)  # one (user, item) per excluded item
+        pairs = np.sort(users * n_items + rows)  # fast on the sorted rows callers pass
+        pairs = pairs[np.r_[True, pairs[1:] != pairs[:-1]]]  # one (user, item) per item
         users, rows = np.divmod(pairs, n_items)
         dead = []
-        for d in range(1, self.depth + 1):
+        for d in range(1, self.depth):
             keys, counts = np.unique(users * n_nodes + item_nodes[rows, d], return_counts=True)
             dead.append(keys[counts == items_under[keys % n_nodes]])
+        # an item's own node has one item below: dead as soon as it is excluded, no count
+        dead.append(users * n_nodes + item_nodes[rows, self.depth])
         # levels' node ranges are disjoint: the union is a sort, not a unique
         keys = torch.from_numpy(np.sort(np.concatenate(dead)))
         return DeadNodes(keys.to(self.edge_key.device), len(exclude), n_nodes)
+
+    @functools.cached_property
+    def _host_edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """``edge_of_item`` (as int64) and ``edge_key`` as host arrays (kept, as
+        ``_host_tables``): ~12 bytes an item and an edge."""
+        return self.edge_of_item.cpu().numpy().astype(np.int64), self.edge_key.cpu().numpy()
 
     @functools.cached_property
     def _host_tables(self) -> tuple[np.ndarray, np.ndarray]:
