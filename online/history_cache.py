@@ -173,10 +173,11 @@ def _stored_after(history: History | None, watermark: int) -> History | None:
 def _merged(history: History, rows: History, newest: int) -> History:
     """``history`` plus newer stored ``rows``, in store order, cut to the newest ``newest``."""
     merged = history + rows
-    # the rows come in store order: only a late event (older than the newest held) re-sorts
-    if history and (rows.ts_ms[0], rows.rows[0]) < (history.ts_ms[-1], history.rows[-1]):
-        times, rows = merged.ts_ms, merged.rows
-        merged = merged.take(sorted(range(len(merged)), key=lambda i: (times[i], rows[i])))
+    # the rows come in store order, each stored after every held one (a higher events.id):
+    # only a late event (older than the newest held) re-sorts, and a stable sort by time
+    # alone then leaves the store's (time, events.id) order
+    if history and rows.ts_ms[0] < history.ts_ms[-1]:
+        merged = merged.in_time_order()
     return merged[-newest:]
 
 
