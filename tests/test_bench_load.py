@@ -40,6 +40,7 @@ from genrec.app.bench.load import (
     worker_ratio,
     write_report,
 )
+from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import Settings
 
 # --- the schedule -----------------------------------------------------------------------
@@ -370,6 +371,7 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
     config = LoadConfig(
         rates=(3.0, 6.0), step_s=2.0, drain_s=60.0, p99_ms=60_000.0, workers=(1, 2),
         warmup_events=3, ready_timeout_s=120.0, join_timeout_s=90.0, progress=False,
+        refresh=True,
     )  # fmt: skip
     report = run_load_bench(settings, config)
     json_path, png_path = tmp_path / "load.json", tmp_path / "load.png"
@@ -377,6 +379,10 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
 
     assert not genrec_children(), "the bench left genrec processes behind"
     assert [p["workers"] for p in report["phases"]] == [1, 2]
+    # a refresh before each phase: the second one's version holds the first phase's events
+    versions = [p["serving_version"] for p in report["phases"]]
+    assert None not in versions and versions[0] != versions[1]
+    assert all(p["refresh_s"] > 0 for p in report["phases"])
     for phase in report["phases"]:
         assert len(phase["worker_pids"]) == phase["workers"]
         assert [s["offered_eps"] for s in phase["steps"]] == [3.0, 6.0]
@@ -407,3 +413,21 @@ def test_guarantees_are_compared_per_worker_count() -> None:
     assert load.ratios(phases)["held_ratio_exactly_once_over_at_least_once"] == {"1": 0.5}
     merged = load.merge_reports({"phases": phases[:1]}, {"phases": phases[1:]})
     assert [p["guarantee"] for p in merged["phases"]] == ["at_least_once", "exactly_once"]
+
+
+def test_refresh_before_a_phase_runs_the_offline_refresh_and_says_why_it_failed(
+    monkeypatch, tmp_path
+) -> None:
+    settings = Settings(home=tmp_path)
+    assert load.refresh_prefix_kv(settings, LoadConfig(), "r", 1) == {}  # not asked for
+    commands: list[list[str]] = []
+
+    def fake_run(command, env, stdout, stderr, timeout):
+        commands.append(command)
+        assert env["GENREC_HOME"] == str(settings.home)
+        return subprocess.CompletedProcess(command, returncode=3)
+
+    monkeypatch.setattr(load.subprocess, "run", fake_run)
+    with pytest.raises(UserFacingError, match="exited with 3; see .*load-r-2w-refresh.log"):
+        load.refresh_prefix_kv(settings, LoadConfig(refresh=True), "r", 2)
+    assert commands[0][-5:-2] == ["offline", "refresh", "--no-semantic-ids"]

@@ -165,6 +165,12 @@ def _register_load(bench: argparse._SubParsersAction) -> None:
     load.add_argument(
         "--warmup-events", type=int, default=40, help="warm-up events per worker before step 1"
     )
+    load.add_argument(
+        "--refresh", action="store_true",
+        help="before each started phase, refresh the prefix KVs (genrec offline refresh "
+        "--no-semantic-ids): every phase's events are stored, and a later phase would "
+        "otherwise prefill longer suffixes than the first",
+    )  # fmt: skip
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--json", type=Path, default=None, help="default: var/bench/load.json")
     load.add_argument("--png", type=Path, default=None, help="default: beside the JSON")
@@ -364,7 +370,12 @@ def _bench_load(args: argparse.Namespace) -> int:
         worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
         users=args.users, warmup_events=args.warmup_events, seed=args.seed,
         guarantees=tuple(g.strip() for g in args.guarantees.split(",") if g.strip()),
+        refresh=args.refresh,
     )  # fmt: skip
+    if config.refresh and not config.start:
+        raise UserFacingError(
+            "--refresh refreshes before the phases it starts: not with --no-start"
+        )
     unknown = set(config.guarantees) - {"at_least_once", "exactly_once"}
     if unknown:
         raise UserFacingError(f"--guarantees: unknown {sorted(unknown)}")

@@ -4,8 +4,8 @@ The bench produces events of existing users (read from the behavior store, each 
 a catalog item the user has not seen) to ``kafka.topic_events`` at offered rates that
 step up. Send times are fixed by the schedule and never wait for an answer (open loop):
 a worker that falls behind shows as growing latency, not as a load that politely slows
-down with it. A consumer group of the bench's own reads ``kafka.topic_recommendations``
-and times every event from its scheduled send to the receipt of the first message that
+down with it. A consumer of the bench's own, assigned every partition at its end, reads
+``kafka.topic_recommendations`` and times every event from its scheduled send to the receipt of the first message that
 covers it (``covered_event_ids``: an event coalesced into another's request counts as
 answered by that request's message).
 
@@ -57,18 +57,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from kafka import KafkaAdminClient, KafkaConsumer
+from kafka import KafkaAdminClient
 from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
 
 from genrec.app.kafka_broker import KafkaBroker, KafkaBrokerError
 from genrec.app.services import skip_group_to_end, stop_service
-from genrec.infra.consumer_loop import poll_group
 from genrec.infra.database import make_engine
-from genrec.infra.kafka_clients import open_client
+from genrec.infra.errors import UserFacingError
+from genrec.infra.kafka_clients import open_client, wait_for_listener
 from genrec.infra.librdkafka import LibrdkafkaProducer
 from genrec.infra.progress import progress_bar, stderr_is_terminal
-from genrec.infra.topics import create_topics, subscribe_when_ready
+from genrec.infra.topics import create_topics
 from genrec.ingest.history import load_item_ids, load_user_histories
 from genrec.schemas.events import UserEvent
 
@@ -82,6 +82,7 @@ LAST_RATE = 3200.0  # ... and of the last one, doubling in between
 WARMUP_RATE = 20.0  # events/s of the warm-up traffic
 START_LEAD_S = 0.05  # between planning a step and its first send
 ANSWER_POLL_MS = 100  # the answers consumer's poll timeout: bounds how fast it stops
+ANSWER_FETCH_WAIT_MS = 10  # the broker holds an empty fetch this long (librdkafka's own thread)
 STOP_TIMEOUT_S = 60.0  # SIGTERM, then this long before SIGKILL
 GROUP_POLL_S = 0.5
 GROUP_SETTLE_S = 3.0  # a group counts as joined once it has stayed so this long
@@ -109,6 +110,11 @@ class LoadConfig:
     join_timeout_s: float = 180.0  # for started workers to join and warm up; else restarted once
     seed: int = 0
     progress: bool = True  # a tqdm bar per step, on a terminal only
+    # Before each started phase, refresh the prefix KVs from the store as the phases before
+    # left it (``genrec offline refresh --no-semantic-ids``): every phase's events are stored,
+    # so without it a later phase prefills longer suffixes and looks slower than it is.
+    refresh: bool = False
+    refresh_timeout_s: float = 3600.0
 
     def step_rates(self) -> tuple[float, ...]:
         return self.rates or tuple(doubling_rates(FIRST_RATE, LAST_RATE))
@@ -366,8 +372,10 @@ class EventSender:
     def __init__(self, settings: Settings) -> None:
         self.topic = settings.kafka.topic_events
         # librdkafka, as the workers publish: a load generator in Python's kafka client took
-        # ~15-30% of a core at 100-200 events/s on the 2-core CPU the workers share
-        self.producer = LibrdkafkaProducer(settings.kafka, linger_ms=2)
+        # ~15-30% of a core at 100-200 events/s on the 2-core CPU the workers share. linger
+        # 0: a lingering generator adds its own wait to every event's latency (2 ms at
+        # linger 2), and librdkafka still batches what queues while a request is in flight
+        self.producer = LibrdkafkaProducer(settings.kafka, linger_ms=0)
         self.partitions = len(self.producer.partitions_for(self.topic))
         self._failures: list[BaseException] = []
 
@@ -480,19 +488,26 @@ class AnswerBook:
 
 
 class AnswerLog:
-    """Reads the recommendations topic in a thread, with a consumer group of its own.
+    """Reads the recommendations topic in a thread, assigned every partition at its end.
 
-    Constructed assigned and positioned at the topic's end, so everything the bench
-    produces afterwards is seen.
+    Assigned and positioned at the topic's end when constructed, so everything the bench
+    produces afterwards is seen. librdkafka (``confluent-kafka``) fetches in C threads of
+    its own, ahead of the poll: kafka-python's consumer here cost ~1-2 ms more a message
+    (docs/online.md) and the bench's CPU, which the workers share. ``read_committed``, so an
+    exactly-once phase counts only committed answers.
     """
 
     def __init__(self, settings: Settings, group_id: str, timeout_s: float) -> None:
-        self.consumer = open_client(
-            KafkaConsumer, settings.kafka, group_id=group_id, enable_auto_commit=False,
-            auto_offset_reset="latest", fetch_max_wait_ms=50, isolation_level="read_committed",
-        )  # fmt: skip
+        from confluent_kafka import Consumer
+
+        wait_for_listener(settings.kafka, settings.kafka.connect_timeout_s)
+        self.consumer = Consumer({
+            **settings.kafka.librdkafka_config(), "group.id": group_id,
+            "enable.auto.commit": False, "isolation.level": "read_committed",
+            "fetch.wait.max.ms": ANSWER_FETCH_WAIT_MS,
+        })  # fmt: skip
         try:
-            _assign(self.consumer, settings.kafka.topic_recommendations, timeout_s)
+            _assign_at_end(self.consumer, settings.kafka.topic_recommendations, timeout_s)
         except BaseException:
             self.consumer.close()
             raise
@@ -505,12 +520,12 @@ class AnswerLog:
     def _run(self) -> None:
         try:
             while not self._halt.is_set():
-                polled = poll_group(
-                    self.consumer, "bench", timeout_ms=ANSWER_POLL_MS, max_records=5000
-                )
+                first = self.consumer.poll(ANSWER_POLL_MS / 1000)
+                if first is None:
+                    continue
                 received_at = time.monotonic()
-                for records in polled.values():
-                    self.book.record([from_json(r.value) for r in records], received_at)
+                polled = [first, *self.consumer.consume(num_messages=5000, timeout=0)]
+                self.book.record([from_json(m.value()) for m in _valid(polled)], received_at)
         except BaseException as exc:  # seen by the main thread at its next look
             self._error = exc
 
@@ -547,18 +562,39 @@ class AnswerLog:
         self.consumer.close()
 
 
-def _assign(consumer: KafkaConsumer, topic: str, timeout_s: float) -> None:
-    """Subscribe, poll until the group assigns the partitions, and resolve their end offsets."""
-    subscribe_when_ready(consumer, topic, timeout_s=timeout_s)
+def _valid(messages: Iterable[Any]) -> Iterator[Any]:
+    """The messages that carry a record; a partition's end is no error, others raise."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    for message in messages:
+        error = message.error()
+        if error is None:
+            yield message
+        elif error.code() != KafkaError._PARTITION_EOF:
+            raise KafkaException(error)
+
+
+def _assign_at_end(consumer: Any, topic: str, timeout_s: float) -> None:
+    """Assign every partition of ``topic`` at its current end (waits for the topic)."""
+    from confluent_kafka import TopicPartition
+
     deadline = time.monotonic() + timeout_s
-    while not consumer.assignment():
+    while True:
+        found = consumer.list_topics(topic, timeout=timeout_s).topics.get(topic)
+        if found is not None and found.error is None and found.partitions:
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(
-                f"the answers consumer got no partition of {topic} in {timeout_s:.0f} s"
+                f"the answers topic {topic} has no partitions after {timeout_s:.0f} s"
             )
-        poll_group(consumer, "bench", timeout_ms=ANSWER_POLL_MS)
-    for partition in consumer.assignment():
-        consumer.position(partition)  # the "latest" reset happens now, before any send
+        time.sleep(GROUP_POLL_S)
+    ends = []
+    for partition in sorted(found.partitions):
+        _low, high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=timeout_s
+        )
+        ends.append(TopicPartition(topic, partition, high))
+    consumer.assign(ends)  # at numbers, not "latest": nothing sent from now on is skipped
 
 
 # --- the processes --------------------------------------------------------------------------
@@ -893,13 +929,58 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
         for guarantee in guarantees or (settings.online.processing_guarantee,):
             for workers in config.phase_workers():
                 if config.start:
+                    refreshed = refresh_prefix_kv(settings, config, run_id, workers)
                     phase = run_started_phase(traffic, settings, workers, run_id, guarantee)
+                    phase = {**phase, **refreshed}
                 else:
                     phase = run_phase(
                         traffic, workers, config.worker_pids, None, path_pids(settings)
                     )
                 phases.append({"guarantee": guarantee, **phase})
     return build_report(settings, config, phases, run_id)
+
+
+def refresh_prefix_kv(
+    settings: Settings, config: LoadConfig, run_id: str, workers: int
+) -> dict[str, Any]:
+    """With ``config.refresh``: one ``genrec offline refresh --no-semantic-ids`` now, in a
+    process of its own (its models and memory go with it); returns the figures a phase
+    reports (nothing without ``refresh``). A refresh that fails stops the bench."""
+    if not config.refresh:
+        return {}
+    log_path = settings.path("logs", f"load-{run_id}-{workers}w-refresh.log")
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"load: refreshing the prefix KVs before the {workers}-worker phase (log {log_path})")
+    started = time.monotonic()
+    env = {**os.environ, **settings_environment(settings), "PYTHONUNBUFFERED": "1"}
+    with log_path.open("ab") as handle:
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "genrec.app.cli", "offline", "refresh", "--no-semantic-ids",
+                 "--wait-lock", str(config.refresh_timeout_s)],
+                env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=config.refresh_timeout_s,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            raise UserFacingError(
+                f"the prefix-KV refresh ran past {config.refresh_timeout_s:.0f} s; see {log_path}"
+            ) from exc
+    if done.returncode != 0:
+        raise UserFacingError(
+            f"the prefix-KV refresh exited with {done.returncode}; see {log_path}"
+        )
+    seconds = time.monotonic() - started
+    print(f"load: refreshed in {seconds:.1f} s")
+    return {"refresh_s": round(seconds, 1), "serving_version": _active_version(settings)}
+
+
+def _active_version(settings: Settings) -> str | None:
+    from genrec.online.live_version import active_serving_key
+
+    engine = make_engine(str(settings.database_url))
+    try:
+        return active_serving_key(engine)
+    finally:
+        engine.dispose()
 
 
 def run_started_phase(
