@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import Engine, insert, select, text
 
 from genrec.infra.database import make_engine
+from genrec.ingest import history as history_module
 from genrec.ingest.history import HistoryEvent, load_histories_of
 from genrec.online.history_cache import HistoryCache, UnstoredEvents
 from genrec.schemas.tables import events
@@ -165,6 +166,12 @@ def test_histories_read_through_the_driver_equal_sqlalchemy_rows(engine) -> None
     assert load_histories_of(engine, ["u1", "u4"], after_row=floor) == {
         u: h for u, h in newer.items() if h
     }
+    # compiled once per statement and dialect, whatever the number of users read
+    compiled = {key for key in history_module._COMPILED if key[1] == engine.dialect.name}
+    assert load_histories_of(engine, ["u1"]) == {"u1": expected["u1"]}
+    assert load_histories_of(engine, ["u0", "u1", "u2", "u4"], after_row=floor)["u1"] == newer["u1"]
+    assert {k for k in history_module._COMPILED if k[1] == engine.dialect.name} == compiled
+    assert len(compiled) == 2
 
 
 def test_a_history_read_is_an_index_only_scan_on_sqlite(tmp_path) -> None:
