@@ -913,17 +913,15 @@ class AnnBranch(RecallBranch):
             vectors[row] = weights @ self.vectors_of(positions) / weights.sum()
         return normalize_rows(vectors)
 
-    def recommend_batch(self, histories, k, excludes=None, timestamps_ms=None, chunk_size=1024):
+    def rank_batch(self, histories, k, excludes, timestamps_ms) -> list[list[Recommendation]]:
         """The ``k`` nearest items not excluded. A user's exclusions (their history) are few
         of their nearest items, so the search goes ``k * (1 + ANN_FIRST_MARGIN)`` deep first and
         ``k + |exclude|`` deep (where no exclusion can leave fewer than ``k``) only for the
         users whose exclusions left fewer than ``k`` there; one search ``k + |exclude|`` deep
         for all read up to ~950 results a user on the demo's store (0.09 against 0.05 ms of
-        search a user at 150), and grows with the longest history of the batch."""
-        if k <= 0:
-            raise ValueError(f"k must be positive, got {k}")
-        excludes = excludes if excludes is not None else [None] * len(histories)
-        timestamps_ms = timestamps_ms if timestamps_ms is not None else [None] * len(histories)
+        search a user at 150), and grows with the longest history of the batch.
+        ``recommend_batch`` calls it ``chunk_size`` users at a time, which bounds the query
+        vectors and results held at once (an offline evaluation of millions of users)."""
         excluded = [set(e) if e else set() for e in excludes]
         n_items = len(self.item_ids)
         vectors = self.user_vectors(histories, timestamps_ms)
