@@ -1,9 +1,10 @@
-"""Operational subcommands (infra step): the local Kafka broker and topic creation.
+"""Operational subcommands (infra step): the local Kafka broker, topics, the store's indexes.
 
 Example::
 
     $ genrec kafka up          # prints the bootstrap address once the broker is ready
     $ genrec topics create     # works against any cluster in settings.kafka
+    $ genrec store indexes --create   # the indexes a store made by an older release lacks
     $ genrec kafka status      # exit code 0 when running, 3 when stopped
     $ genrec kafka down
 """
@@ -23,7 +24,7 @@ STOPPED_EXIT_CODE = 3  # as LSB init scripts' `status`: "program is not running"
 
 
 def register(commands: argparse._SubParsersAction, groups) -> None:
-    """Add ``genrec kafka`` and ``genrec topics``."""
+    """Add ``genrec kafka``, ``genrec topics``, ``genrec store`` and ``genrec demo``."""
     kafka = commands.add_parser(
         "kafka",
         help="run the local single-node Kafka broker (development and tests)",
@@ -54,6 +55,20 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "--wait", type=float, default=30.0, help="seconds to wait for the cluster to answer"
     )
     create.set_defaults(handler=_topics_create)
+
+    store = commands.add_parser("store", help="the behavior store's schema: indexes")
+    store.set_defaults(handler=lambda _args, p=store: p.print_help() or 2)
+    store_commands = store.add_subparsers(dest="store_command", metavar="COMMAND")
+    indexes = store_commands.add_parser(
+        "indexes",
+        help="list the schema's indexes the store lacks (a store made by an older release)",
+        description="Tables are created if missing, but an index added to an existing table "
+        "is not: list the schema's indexes that settings.database_url lacks, and with --create "
+        "build them (CONCURRENTLY on PostgreSQL: ingest and serve keep running). Exit code 1 "
+        "when some are missing and --create was not given.",
+    )  # fmt: skip
+    indexes.add_argument("--create", action="store_true", help="build the missing indexes")
+    indexes.set_defaults(handler=_store_indexes)
 
     demo = commands.add_parser(
         "demo",
@@ -122,6 +137,28 @@ def _topics_create(args: argparse.Namespace) -> int:
     for name in topic_specs(kafka):
         print(f"{'created' if name in created else 'exists'} {name}")
     return 0
+
+
+def _store_indexes(args: argparse.Namespace) -> int:
+    from genrec.infra.database import create_indexes, make_engine, missing_indexes
+
+    engine = make_engine(get_settings().database_url)
+    try:
+        missing = missing_indexes(engine)
+        for index in missing:
+            print(f"missing {index.name} on {index.table.name}")
+        if not missing:
+            print("every index of the schema is there")
+            return 0
+        if not args.create:
+            return 1
+        create_indexes(engine, missing)
+        left = {index.name for index in missing_indexes(engine)}
+        for index in missing:
+            print(f"{'FAILED' if index.name in left else 'built'} {index.name}")
+        return 1 if left else 0
+    finally:
+        engine.dispose()
 
 
 def _demo(args: argparse.Namespace) -> int:

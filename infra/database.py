@@ -1,22 +1,34 @@
 """Database engines for the behavior store: SQLite embedded, PostgreSQL in production.
 
 Tables are created if missing (``create_all``); see the README for why genrec
-does not ship migrations yet.
+does not ship migrations yet. ``create_all`` builds a table's indexes only with the table,
+so a store created by an older release lacks the indexes added since: every engine made
+with ``create_tables`` logs a warning naming them, ``missing_indexes`` lists them and
+``create_indexes`` builds them (``genrec store indexes --create``; on PostgreSQL
+``CONCURRENTLY``, so ingest keeps writing meanwhile).
 
 Example::
 
-    >>> from genrec.infra.database import make_engine
+    >>> from genrec.infra.database import make_engine, missing_indexes
     >>> engine = make_engine("sqlite:///:memory:")
+    >>> missing_indexes(engine)
+    []
 """
 
 from __future__ import annotations
 
+import logging
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Index, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.schema import CreateIndex
 
 from genrec.schemas.tables import metadata
+
+log = logging.getLogger("genrec.database")
 
 
 def make_engine(url: str, *, create_tables: bool = True) -> Engine:
@@ -31,7 +43,70 @@ def make_engine(url: str, *, create_tables: bool = True) -> Engine:
         engine = create_engine(url, pool_pre_ping=True)
     if create_tables:
         metadata.create_all(engine)
+        _warn_if_indexes_missing(engine)
     return engine
+
+
+def missing_indexes(engine: Engine) -> list[Index]:
+    """The schema's indexes that the store's existing tables lack (on PostgreSQL also any
+    left invalid by a failed concurrent build), in table then name order."""
+    inspector = inspect(engine)
+    tables = set(inspector.get_table_names())
+    invalid = _invalid_indexes(engine)
+    missing = []
+    for table in metadata.sorted_tables:
+        if table.name not in tables:
+            continue
+        present = {index["name"] for index in inspector.get_indexes(table.name)} - invalid
+        missing += sorted((i for i in table.indexes if i.name not in present), key=_name)
+    return missing
+
+
+def create_indexes(engine: Engine, indexes: Sequence[Index]) -> None:
+    """Build ``indexes`` (from ``missing_indexes``), one statement each. On PostgreSQL each is
+    built ``CONCURRENTLY`` (outside a transaction; writes go on, the build takes longer),
+    after dropping an invalid one of the same name; on SQLite in a transaction of its own."""
+    postgres = is_postgres(engine)
+    invalid = _invalid_indexes(engine)
+    for index in indexes:
+        ddl = str(CreateIndex(index).compile(dialect=engine.dialect))
+        log.info("building index %s on %s", index.name, index.table.name)
+        if not postgres:
+            with engine.begin() as connection:
+                connection.exec_driver_sql(ddl)
+            continue
+        ddl = re.sub(r"^CREATE (UNIQUE )?INDEX", r"CREATE \1INDEX CONCURRENTLY", ddl, count=1)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+            if index.name in invalid:
+                connection.exec_driver_sql(f'DROP INDEX CONCURRENTLY IF EXISTS "{index.name}"')
+            connection.exec_driver_sql(ddl)
+
+
+def _warn_if_indexes_missing(engine: Engine) -> None:
+    missing = missing_indexes(engine)
+    if missing:
+        log.warning(
+            "the store lacks %s (it predates them; reads are correct but slower): "
+            "run `genrec store indexes --create`",
+            ", ".join(f"index {i.name} on {i.table.name}" for i in missing),
+        )
+
+
+def _invalid_indexes(engine: Engine) -> set[str]:
+    """PostgreSQL's indexes that a failed ``CREATE INDEX CONCURRENTLY`` left unusable."""
+    if not is_postgres(engine):
+        return set()
+    query = text(
+        "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE NOT i.indisvalid AND n.nspname = current_schema()"
+    )
+    with engine.connect() as connection:
+        return {row[0] for row in connection.execute(query)}
+
+
+def _name(index: Index) -> str:
+    return str(index.name)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
