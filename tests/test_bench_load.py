@@ -52,6 +52,12 @@ def test_default_rates_double_from_25_to_3200() -> None:
     assert LoadConfig(rates=(4.0, 8.0)).step_rates() == (4.0, 8.0)
     with pytest.raises(ValueError):
         doubling_rates(0, 10)
+    # finer steps keep every doubling exact and round the ones between
+    assert doubling_rates(25, 400, 2) == [25, 35, 50, 71, 100, 141, 200, 283, 400]
+    assert doubling_rates(25, 100, 3) == [25, 31, 40, 50, 63, 79, 100]
+    assert LoadConfig(steps_per_doubling=2).step_rates()[:3] == (25, 35, 50)
+    with pytest.raises(ValueError):
+        doubling_rates(25, 100, 0)
 
 
 def test_send_offsets_are_evenly_spaced_and_fixed_by_the_rate() -> None:

@@ -142,6 +142,11 @@ def _register_load(bench: argparse._SubParsersAction) -> None:
         "--rates", default=None,
         help="offered events/s per step, comma-separated (default: 25 doubling to 3200)",
     )  # fmt: skip
+    load.add_argument(
+        "--steps-per-doubling", type=int, default=1,
+        help="without --rates: steps from one doubling to the next (2: 25, 35, 50, 71, 100, "
+        "...), for a finer held rate and 2-worker / 1-worker ratio",
+    )  # fmt: skip
     load.add_argument("--step-s", type=float, default=30.0, help="seconds per step")
     load.add_argument(
         "--drain-s", type=float, default=30.0, help="after a step: wait this long for answers"
@@ -364,6 +369,7 @@ def _bench_load(args: argparse.Namespace) -> int:
     settings = get_settings()
     config = LoadConfig(
         rates=tuple(float(r) for r in (args.rates or "").split(",") if r.strip()),
+        steps_per_doubling=args.steps_per_doubling,
         step_s=args.step_s, drain_s=args.drain_s, p99_ms=args.p99_ms,
         workers=tuple(int(w) for w in args.workers.split(",") if w.strip()),
         start=not args.no_start,
@@ -376,6 +382,8 @@ def _bench_load(args: argparse.Namespace) -> int:
         raise UserFacingError(
             "--refresh refreshes before the phases it starts: not with --no-start"
         )
+    if config.steps_per_doubling < 1:
+        raise UserFacingError(f"--steps-per-doubling must be >= 1, got {config.steps_per_doubling}")
     unknown = set(config.guarantees) - {"at_least_once", "exactly_once"}
     if unknown:
         raise UserFacingError(f"--guarantees: unknown {sorted(unknown)}")

@@ -95,6 +95,7 @@ class LoadConfig:
     """What one ``bench load`` run does."""
 
     rates: tuple[float, ...] = ()  # offered events/s per step; empty: FIRST_RATE..LAST_RATE
+    steps_per_doubling: int = 1  # without ``rates``: steps from one doubling to the next
     step_s: float = 30.0
     drain_s: float = 30.0  # after a step's last send: wait this long for its answers at most
     p99_ms: float = 100.0
@@ -117,7 +118,7 @@ class LoadConfig:
     refresh_timeout_s: float = 3600.0
 
     def step_rates(self) -> tuple[float, ...]:
-        return self.rates or tuple(doubling_rates(FIRST_RATE, LAST_RATE))
+        return self.rates or tuple(doubling_rates(FIRST_RATE, LAST_RATE, self.steps_per_doubling))
 
     def phase_workers(self) -> tuple[int, ...]:
         """Worker counts, one phase each; already running workers are one phase."""
@@ -129,16 +130,28 @@ class LoadConfig:
 # --- the schedule and the figures (pure) ------------------------------------------------
 
 
-def doubling_rates(first: float = FIRST_RATE, last: float = LAST_RATE) -> list[float]:
-    """``first``, twice that, ... up to ``last`` (inclusive)."""
+def doubling_rates(
+    first: float = FIRST_RATE, last: float = LAST_RATE, steps_per_doubling: int = 1
+) -> list[float]:
+    """``first``, twice that, ... up to ``last`` (inclusive); with ``steps_per_doubling`` n > 1,
+    n geometric steps per doubling (n = 2: 25, 35, 50, 71, 100, ...), the ones between the
+    doublings rounded to whole events/s. A held rate, and the 2-worker / 1-worker ratio of
+    held rates, can only be as fine as the steps: with doublings alone the ratio reads 1x or
+    2x."""
     if first <= 0 or last < first:
         raise ValueError(f"rates need 0 < first <= last, got {first} and {last}")
+    if steps_per_doubling < 1:
+        raise ValueError(f"steps_per_doubling must be >= 1, got {steps_per_doubling}")
     rates = []
-    rate = first
-    while rate <= last * (1 + 1e-9):
+    for i in itertools.count():
+        doublings, within = divmod(i, steps_per_doubling)
+        rate = float(first * 2**doublings)
+        if within:
+            rate = float(round(rate * 2 ** (within / steps_per_doubling)))
+        if rate > last * (1 + 1e-9):
+            return rates
         rates.append(rate)
-        rate *= 2
-    return rates
+    raise AssertionError("unreachable")
 
 
 def send_offsets(rate: float, step_s: float) -> np.ndarray:
