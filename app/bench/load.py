@@ -5,9 +5,9 @@ a catalog item the user has not seen) to ``kafka.topic_events`` at offered rates
 step up. Send times are fixed by the schedule and never wait for an answer (open loop):
 a worker that falls behind shows as growing latency, not as a load that politely slows
 down with it. A consumer of the bench's own, assigned every partition at its end, reads
-``kafka.topic_recommendations`` and times every event from its scheduled send to the receipt of the first message that
-covers it (``covered_event_ids``: an event coalesced into another's request counts as
-answered by that request's message).
+``kafka.topic_recommendations`` and times every event from its scheduled send to the
+receipt of the first message that covers it (``covered_event_ids``: an event coalesced
+into another's request counts as answered by that request's message).
 
 Per step it reports offered and answered events/s, requests/s (messages), p50/p95/p99
 and max latency, the workers' own share of it (p50/p99 of the messages' ``latency_ms``:
