@@ -319,7 +319,10 @@ def test_cpu_of_this_process_from_proc() -> None:
 
 def test_cpu_meter_counts_children() -> None:
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        # some CPU of its own first: /proc counts in 10 ms ticks, and a warm interpreter
+        # can start in fewer (the test read 0.0 s for it once)
+        [sys.executable, "-c",
+         "import time; sum(range(3_000_000)); print('up', flush=True); time.sleep(30)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
