@@ -58,6 +58,11 @@ def test_default_rates_double_from_25_to_3200() -> None:
     assert LoadConfig(steps_per_doubling=2).step_rates()[:3] == (25, 35, 50)
     with pytest.raises(ValueError):
         doubling_rates(25, 100, 0)
+    # a config that cannot run is refused before any service starts
+    with pytest.raises(ValueError, match="steps_per_doubling"):
+        LoadConfig(steps_per_doubling=0)
+    with pytest.raises(ValueError, match="start=False"):
+        LoadConfig(refresh=True, start=False)
 
 
 def test_send_offsets_are_evenly_spaced_and_fixed_by_the_rate() -> None:

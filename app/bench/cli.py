@@ -367,23 +367,20 @@ def _bench_load(args: argparse.Namespace) -> int:
     )
 
     settings = get_settings()
-    config = LoadConfig(
-        rates=tuple(float(r) for r in (args.rates or "").split(",") if r.strip()),
-        steps_per_doubling=args.steps_per_doubling,
-        step_s=args.step_s, drain_s=args.drain_s, p99_ms=args.p99_ms,
-        workers=tuple(int(w) for w in args.workers.split(",") if w.strip()),
-        start=not args.no_start,
-        worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
-        users=args.users, warmup_events=args.warmup_events, seed=args.seed,
-        guarantees=tuple(g.strip() for g in args.guarantees.split(",") if g.strip()),
-        refresh=args.refresh,
-    )  # fmt: skip
-    if config.refresh and not config.start:
-        raise UserFacingError(
-            "--refresh refreshes before the phases it starts: not with --no-start"
-        )
-    if config.steps_per_doubling < 1:
-        raise UserFacingError(f"--steps-per-doubling must be >= 1, got {config.steps_per_doubling}")
+    try:
+        config = LoadConfig(
+            rates=tuple(float(r) for r in (args.rates or "").split(",") if r.strip()),
+            steps_per_doubling=args.steps_per_doubling,
+            step_s=args.step_s, drain_s=args.drain_s, p99_ms=args.p99_ms,
+            workers=tuple(int(w) for w in args.workers.split(",") if w.strip()),
+            start=not args.no_start,
+            worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
+            users=args.users, warmup_events=args.warmup_events, seed=args.seed,
+            guarantees=tuple(g.strip() for g in args.guarantees.split(",") if g.strip()),
+            refresh=args.refresh,
+        )  # fmt: skip
+    except ValueError as exc:  # --refresh with --no-start, --steps-per-doubling 0
+        raise UserFacingError(f"bench load: {exc}") from exc
     unknown = set(config.guarantees) - {"at_least_once", "exactly_once"}
     if unknown:
         raise UserFacingError(f"--guarantees: unknown {sorted(unknown)}")

@@ -117,6 +117,13 @@ class LoadConfig:
     refresh: bool = False
     refresh_timeout_s: float = 3600.0
 
+    def __post_init__(self) -> None:
+        # here, not where the steps run: a bad run stops before it starts any service
+        if self.steps_per_doubling < 1:
+            raise ValueError(f"steps_per_doubling must be >= 1, got {self.steps_per_doubling}")
+        if self.refresh and not self.start:
+            raise ValueError("refresh runs before the phases it starts: not with start=False")
+
     def step_rates(self) -> tuple[float, ...]:
         return self.rates or tuple(doubling_rates(FIRST_RATE, LAST_RATE, self.steps_per_doubling))
 
@@ -689,6 +696,20 @@ def settings_environment(settings: Settings) -> dict[str, str]:
     return {f"GENREC_{name}": str(value) for name, value in values.items()}
 
 
+def genrec_command(*args: str) -> list[str]:
+    """``genrec ARGS`` as a child of this interpreter (the same environment and code)."""
+    return [sys.executable, "-m", "genrec.app.cli", *args]
+
+
+def child_environment(
+    settings: Settings, overrides: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """This process's environment, its store and topics (``settings_environment``) and
+    ``overrides``, output unbuffered so a child's log is current."""
+    extra = dict(overrides or {})
+    return {**os.environ, **settings_environment(settings), **extra, "PYTHONUNBUFFERED": "1"}
+
+
 class Services:
     """One ``genrec ingest`` and ``workers`` x ``genrec serve``, in consumer groups of their own."""
 
@@ -719,13 +740,11 @@ class Services:
             self._launch(f"serve-{n + 1}", ["serve", "--metrics-port", "0"], overrides | instance)
 
     def _launch(self, name: str, args: list[str], overrides: dict[str, str]) -> None:
-        env = {**os.environ, **settings_environment(self.settings), **overrides,
-               "PYTHONUNBUFFERED": "1"}  # fmt: skip
         path = self.log_path(name)
         with path.open("ab") as handle:
             process = subprocess.Popen(
-                [sys.executable, "-m", "genrec.app.cli", *args],
-                env=env, stdout=handle, stderr=subprocess.STDOUT,
+                genrec_command(*args), env=child_environment(self.settings, overrides),
+                stdout=handle, stderr=subprocess.STDOUT,
             )  # fmt: skip
         self.processes.append((name, process))
 
@@ -965,13 +984,14 @@ def refresh_prefix_kv(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     print(f"load: refreshing the prefix KVs before the {workers}-worker phase (log {log_path})")
     started = time.monotonic()
-    env = {**os.environ, **settings_environment(settings), "PYTHONUNBUFFERED": "1"}
+    command = genrec_command(
+        "offline", "refresh", "--no-semantic-ids", "--wait-lock", str(config.refresh_timeout_s)
+    )
     with log_path.open("ab") as handle:
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "genrec.app.cli", "offline", "refresh", "--no-semantic-ids",
-                 "--wait-lock", str(config.refresh_timeout_s)],
-                env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=config.refresh_timeout_s,
+                command, env=child_environment(settings), stdout=handle,
+                stderr=subprocess.STDOUT, timeout=config.refresh_timeout_s,
             )  # fmt: skip
         except subprocess.TimeoutExpired as exc:
             raise UserFacingError(
