@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from genrec.app.bench.decode import random_catalog
+from genrec.online.decoding import trie_tables
 from genrec.online.decoding.trie import ItemTrie
 from genrec.online.decoding.trie_tables import DeadNodes, TrieTables
 
@@ -100,7 +101,12 @@ def test_per_node_tables_follow_the_trie(tables: TrieTables):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sparse_dead_nodes_equal_the_dense_definition(tables: TrieTables, seed: int):
+@pytest.mark.parametrize("table_entries", [0, 1 << 30], ids=["sorted", "dense-tables"])
+def test_sparse_dead_nodes_equal_the_dense_definition(
+    tables: TrieTables, seed: int, table_entries: int, monkeypatch
+):
+    # both ways of finding them (sorts, or users x nodes tables on small batches) agree
+    monkeypatch.setattr(trie_tables, "DENSE_DEAD_ENTRIES", table_entries)
     generator = torch.Generator().manual_seed(seed)
     n_items, depth = tables.trie.n_items, tables.depth
     exclude = []
