@@ -176,6 +176,10 @@ class OnlineSettings(BaseModel):
     # Python work contends for the GIL, decoding got slower than the overlap won
     # (docs/online.md). Meant for decoding that waits on kernels (a large model, a GPU).
     decode_thread: bool = False
+    # Hold the cyclic garbage collector off while the consumer's thread serves a batch: its
+    # collections run between batches, over what outlived them. During one they walked the
+    # batch's young histories and prompts, ~4 ms each, several times a batch of 64.
+    gc_between_batches: bool = True
     max_poll_records: int = Field(default=500, ge=1)
     # Where the per-user prefix KV caches live: "local" (files under refresh.kv_dir, an
     # index in the database) or "redis" (the shared tier of several hosts; section

@@ -3,6 +3,7 @@ recommender: requests, commits in order after every acknowledgement, rewinds, st
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections import deque
@@ -18,7 +19,7 @@ from genrec.online.batch_pipeline import InFlightBatch
 from genrec.online.live_version import ServingBundle, ServingVersions
 from genrec.online.recommender import PreparedBatch
 from genrec.online.transactions import TransactionAborted, TransactionalPublisher
-from genrec.online.worker import OnlineWorker, _Polled, group_requests
+from genrec.online.worker import OnlineWorker, _Polled, collector_held_off, group_requests
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage
 
@@ -983,3 +984,48 @@ def test_gathered_records_of_a_lost_partition_are_not_sought_back_to(lost) -> No
     worker._seek_back_reassigned([tp0])
     assert consumer.seeks == ([] if lost else [(0, 12)])
     assert not worker.has_batch()
+
+
+class CollectorProbe(EchoRecommender):
+    """Records whether the cyclic garbage collector was on while preparing and finishing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collector_on: list[bool] = []
+
+    def prepare(self, requests, bundle):
+        self.collector_on.append(gc.isenabled())
+        return super().prepare(requests, bundle)
+
+    def finish(self, prepared):
+        self.collector_on.append(gc.isenabled())
+        return super().finish(prepared)
+
+
+@pytest.mark.parametrize("between_batches", [True, False])
+def test_the_garbage_collector_is_held_off_while_a_batch_is_served(between_batches) -> None:
+    probe = CollectorProbe()
+    worker, _, producer, _ = make_worker(
+        [[record(0, 1, "a1", "alice")], [record(0, 2, "b1", "bob")]],
+        recommender=probe, gc_between_batches=between_batches,
+    )  # fmt: skip
+    worker.run(exit_when_idle_s=IDLE_S)
+    assert len(producer.sent) == 2
+    assert probe.collector_on == [not between_batches] * 4
+    assert gc.isenabled()  # on again after every batch
+
+
+def test_holding_the_collector_off_leaves_it_as_the_program_set_it() -> None:
+    with collector_held_off():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_held_off():
+        raise RuntimeError("a failing batch")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_held_off():
+            pass
+        assert not gc.isenabled()  # the program's choice stands
+    finally:
+        gc.enable()
