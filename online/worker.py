@@ -319,11 +319,14 @@ class OnlineWorker(BatchHandler):
 
     def _serve(self, batch: InFlightBatch) -> bool:
         """Finish a prepared batch and hand its messages to the producer; False if void."""
+        # The batch waits for its acknowledgements and commit after this: let go of its
+        # histories, prompts and lists now (freed, not left to the garbage collector's walks)
+        prepared, batch.prepared = batch.prepared, None
         if batch.epoch != self._epoch:  # rewound meanwhile: its records will be read again
             return False
         metrics.STAGE_LATENCY.labels(stage="queue").observe(time.monotonic() - batch.handed_at)
         try:
-            messages = self.recommender.finish(batch.prepared)
+            messages = self.recommender.finish(prepared)
             started = time.perf_counter()
             payloads = [(m.kafka_key(), m.to_json_bytes()) for m in messages]
             metrics.STAGE_LATENCY.labels(stage="serialise").observe(time.perf_counter() - started)

@@ -439,6 +439,19 @@ def test_sigterm_waits_for_the_acknowledgements_of_every_batch_in_hand() -> None
     assert consumer.committed == BOTH_COMMITTED and consumer.closed and producer.closed
 
 
+@pytest.mark.parametrize("decode_thread", [False, True])
+def test_a_batch_waiting_for_its_acknowledgements_holds_nothing_it_was_served_from(
+    decode_thread,
+) -> None:
+    worker, _, producer, thread = two_batches_awaiting_acks(decode_thread)
+    in_flight = list(worker._in_flight)
+    assert len(in_flight) == 2 and all(batch.prepared is None for batch in in_flight)
+    worker.request_stop()
+    for future in producer.futures:
+        future.success("ack")
+    thread.join(WAIT_S)
+
+
 def test_revoked_partitions_are_dropped_from_the_open_batch() -> None:
     class RevokingConsumer(FakeConsumer):
         def poll(self, timeout_ms=0, max_records=None):
