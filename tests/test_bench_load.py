@@ -445,3 +445,51 @@ def test_refresh_before_a_phase_runs_the_offline_refresh_and_says_why_it_failed(
     with pytest.raises(UserFacingError, match="exited with 3; see .*load-r-2w-refresh.log"):
         load.refresh_prefix_kv(settings, LoadConfig(refresh=True), "r", 2)
     assert commands[0][-5:-2] == ["offline", "refresh", "--no-semantic-ids"]
+
+
+class NewTopicConsumer:
+    """A librdkafka consumer's metadata calls on a broker that has just created the topic:
+    ``leaderless`` watermark queries fail with NOT_LEADER_FOR_PARTITION first."""
+
+    def __init__(self, leaderless: int, error_code: int | None = None) -> None:
+        from confluent_kafka import KafkaError
+
+        self.leaderless = leaderless
+        self.error_code = KafkaError.NOT_LEADER_FOR_PARTITION if error_code is None else error_code
+        self.assigned = None
+
+    def list_topics(self, topic, timeout):
+        from types import SimpleNamespace
+
+        partitions = {0: None, 1: None}
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions=partitions)})
+
+    def get_watermark_offsets(self, partition, timeout):
+        from confluent_kafka import KafkaError, KafkaException
+
+        if self.leaderless:
+            self.leaderless -= 1
+            raise KafkaException(KafkaError(self.error_code))
+        return 0, 10 + partition.partition
+
+    def assign(self, partitions):
+        self.assigned = [(p.partition, p.offset) for p in partitions]
+
+
+def test_answers_are_read_from_the_end_once_a_new_topic_has_leaders(monkeypatch):
+    monkeypatch.setattr(load, "GROUP_POLL_S", 0.0)
+    consumer = NewTopicConsumer(leaderless=3)
+    load._assign_at_end(consumer, "answers", timeout_s=5.0)
+    assert consumer.assigned == [(0, 10), (1, 11)]
+
+
+def test_a_watermark_error_that_is_not_about_leaders_is_raised(monkeypatch):
+    from confluent_kafka import KafkaError, KafkaException
+
+    monkeypatch.setattr(load, "GROUP_POLL_S", 0.0)
+    consumer = NewTopicConsumer(leaderless=1, error_code=KafkaError.TOPIC_AUTHORIZATION_FAILED)
+    with pytest.raises(KafkaException):
+        load._assign_at_end(consumer, "answers", timeout_s=5.0)
+    consumer = NewTopicConsumer(leaderless=10**6)  # never a leader: the deadline ends it
+    with pytest.raises(KafkaException):
+        load._assign_at_end(consumer, "answers", timeout_s=0.05)

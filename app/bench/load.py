@@ -608,13 +608,36 @@ def _assign_at_end(consumer: Any, topic: str, timeout_s: float) -> None:
                 f"the answers topic {topic} has no partitions after {timeout_s:.0f} s"
             )
         time.sleep(GROUP_POLL_S)
-    ends = []
-    for partition in sorted(found.partitions):
-        _low, high = consumer.get_watermark_offsets(
-            TopicPartition(topic, partition), timeout=timeout_s
-        )
-        ends.append(TopicPartition(topic, partition, high))
+    ends = [
+        TopicPartition(topic, partition, _end_offset(consumer, topic, partition, deadline))
+        for partition in sorted(found.partitions)
+    ]
     consumer.assign(ends)  # at numbers, not "latest": nothing sent from now on is skipped
+
+
+def _end_offset(consumer: Any, topic: str, partition: int, deadline: float) -> int:
+    """The partition's end offset, asked again while the broker has no leader for it yet
+    (a topic just created on a fresh broker) until ``deadline``."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    # (librdkafka does not mark these retriable on a watermark query)
+    not_ready = {
+        KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
+    }  # fmt: skip
+    while True:
+        try:
+            timeout_s = max(0.1, deadline - time.monotonic())
+            return consumer.get_watermark_offsets(
+                TopicPartition(topic, partition), timeout=timeout_s
+            )[1]
+        except KafkaException as exc:
+            error = exc.args[0] if exc.args else None
+            code = error.code() if isinstance(error, KafkaError) else None
+            waiting = code in not_ready or (isinstance(error, KafkaError) and error.retriable())
+            if not waiting or time.monotonic() > deadline:
+                raise
+        time.sleep(GROUP_POLL_S)
 
 
 # --- the processes --------------------------------------------------------------------------
