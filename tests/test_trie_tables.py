@@ -107,6 +107,7 @@ def test_sparse_dead_nodes_equal_the_dense_definition(
 ):
     # both ways of finding them (sorts, or users x nodes tables on small batches) agree
     monkeypatch.setattr(trie_tables, "DENSE_DEAD_ENTRIES", table_entries)
+    monkeypatch.setattr(trie_tables, "DENSE_DEAD_MIN", table_entries)
     generator = torch.Generator().manual_seed(seed)
     n_items, depth = tables.trie.n_items, tables.depth
     exclude = []
