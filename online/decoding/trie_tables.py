@@ -40,10 +40,10 @@ F edges of each beam's node (``codes``).
 sorted keys ``user * n_nodes + node`` of the nodes all of whose items a user excludes,
 O(excluded items x depth) whatever the catalog (found by sorts, or through dense users x
 nodes tables without one where those are small beside the keys: ``DENSE_DEAD_*``);
-membership is one ``searchsorted`` (``DeadNodes.contains``); ``dead_children`` re-keys it by parent and code, for the engine's
-per-step mask (``DeadChildren.blocked``: one search per beam, not per child). It is the
-one seen-item table (``constraints.SeenItems``
-serves it to the engine and to ``generate``'s logits processor).
+membership is one ``searchsorted`` (``DeadNodes.contains``); ``dead_children`` re-keys
+it by parent and code, for the engine's per-step mask (``DeadChildren.blocked``: one search
+per beam, not per child). It is the one seen-item table (``constraints.SeenItems`` serves it
+to the engine and to ``generate``'s logits processor).
 
 Example::
 
