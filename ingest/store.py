@@ -5,6 +5,8 @@ NOTHING`` (SQLite and PostgreSQL alike), users are upserted with their first and
 last event time, items are upserted by ``item_id``. One call, one transaction.
 ``write_events`` takes dicts; ``write_event_rows`` takes plain tuples in
 ``EVENT_COLUMNS`` order, which is what the ingest loop and its writer process use.
+``delete_events`` takes events out again by id (``genrec bench load`` removes its own
+synthetic events) and narrows their users' spans to the events left.
 
 Example::
 
@@ -25,10 +27,10 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, case, func, text
+from sqlalchemy import Connection, Engine, case, delete, exists, func, select, text, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from genrec.schemas.tables import items, users
+from genrec.schemas.tables import events, items, users
 
 EVENT_COLUMNS = (
     "event_id",
@@ -211,6 +213,50 @@ def upsert_users(connection: Connection, rows: Iterable[Sequence[Any]]) -> None:
         },
     )
     connection.execute(statement, user_rows)
+
+
+DELETE_CHUNK = 500  # ids per statement: well under SQLite's 32,766 bound parameters
+
+
+def delete_events(engine: Engine, event_ids: Iterable[str]) -> int:
+    """Delete the events with these ids (unknown ids are skipped) and set each of their users'
+    [first_ts_ms, last_ts_ms] to the events the user has left (a user with none left goes);
+    ONE transaction. Returns how many events were deleted.
+
+    Every statement goes through the unique index on ``event_id`` and, per user, the history
+    index: the cost grows with the ids given and their users' events, not the store.
+    """
+    ids = sorted(set(event_ids))
+    if not ids:
+        return 0
+    deleted, touched = 0, set()
+    with engine.begin() as connection:
+        for start in range(0, len(ids), DELETE_CHUNK):
+            chunk = ids[start : start + DELETE_CHUNK]
+            found = select(events.c.user_id).where(events.c.event_id.in_(chunk)).distinct()
+            touched.update(connection.execute(found).scalars())
+            deleted += connection.execute(
+                delete(events).where(events.c.event_id.in_(chunk))
+            ).rowcount
+        owners = sorted(touched)  # one lock order, as upsert_users
+        for start in range(0, len(owners), DELETE_CHUNK):
+            _narrow_user_spans(connection, owners[start : start + DELETE_CHUNK])
+    return deleted
+
+
+def _narrow_user_spans(connection: Connection, user_ids: Sequence[str]) -> None:
+    """These users' spans from the events they have (users without any are deleted)."""
+    theirs = events.c.user_id == users.c.user_id
+    connection.execute(
+        update(users)
+        .where(users.c.user_id.in_(user_ids))
+        .values(
+            first_ts_ms=select(func.min(events.c.ts_ms)).where(theirs).scalar_subquery(),
+            last_ts_ms=select(func.max(events.c.ts_ms)).where(theirs).scalar_subquery(),
+        )
+        .where(exists().where(theirs))
+    )
+    connection.execute(delete(users).where(users.c.user_id.in_(user_ids), ~exists().where(theirs)))
 
 
 def upsert_items(engine: Engine, rows: Sequence[dict[str, Any]]) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from sqlalchemy import func, select
 
 from genrec.app.bench import load
 from genrec.app.bench.load import (
@@ -40,8 +41,11 @@ from genrec.app.bench.load import (
     worker_ratio,
     write_report,
 )
+from genrec.infra.database import make_engine
 from genrec.infra.errors import UserFacingError
 from genrec.infra.settings import Settings
+from genrec.ingest.store import write_events
+from genrec.schemas.tables import events, users
 
 # --- the schedule -----------------------------------------------------------------------
 
@@ -375,6 +379,37 @@ def genrec_children() -> list[psutil.Process]:
     return alive
 
 
+def _store_figures(settings: Settings) -> tuple:
+    """The behavior store's event count, bench events and users' spans."""
+    engine = make_engine(str(settings.database_url))
+    try:
+        with engine.connect() as connection:
+            count = connection.execute(select(func.count()).select_from(events)).scalar_one()
+            bench = connection.execute(
+                select(func.count()).where(events.c.event_id.like("load-%"))
+            ).scalar_one()
+            spans = connection.execute(select(users).order_by(users.c.user_id)).all()
+    finally:
+        engine.dispose()
+    return count, bench, [tuple(row) for row in spans]
+
+
+def _event_spans(settings: Settings, rows: list[tuple]) -> list[tuple]:
+    """(user_id, first ts, last ts) of these users' events."""
+    engine = make_engine(str(settings.database_url))
+    try:
+        with engine.connect() as connection:
+            spans = connection.execute(
+                select(events.c.user_id, func.min(events.c.ts_ms), func.max(events.c.ts_ms))
+                .where(events.c.user_id.in_([row[0] for row in rows]))
+                .group_by(events.c.user_id)
+                .order_by(events.c.user_id)
+            ).all()
+    finally:
+        engine.dispose()
+    return [tuple(row) for row in spans]
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # ~2 min; a stalled group join restarts a phase's workers once
@@ -382,6 +417,7 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
     home = tmp_path / "home"
     shutil.copytree(serving_home, home)  # ingest writes the bench's events into its store
     settings = Settings(home=home, kafka=kafka_settings)
+    before = _store_figures(settings)
     config = LoadConfig(
         rates=(3.0, 6.0), step_s=2.0, drain_s=60.0, p99_ms=60_000.0, workers=(1, 2),
         warmup_events=3, ready_timeout_s=120.0, join_timeout_s=90.0, progress=False,
@@ -393,11 +429,17 @@ def test_load_bench_through_the_broker(serving_home, kafka_settings, tmp_path, c
 
     assert not genrec_children(), "the bench left genrec processes behind"
     assert [p["workers"] for p in report["phases"]] == [1, 2]
-    # a refresh before each phase: the second one's version holds the first phase's events
+    # a refresh before each phase, each activating a version of its own
     versions = [p["serving_version"] for p in report["phases"]]
     assert None not in versions and versions[0] != versions[1]
     assert all(p["refresh_s"] > 0 for p in report["phases"])
+    # each phase's events (warm-up included) left the store after it; the users' spans are
+    # their events' again (the fixture's store has events only: ingest added the rows)
+    count, bench, spans = _store_figures(settings)
+    assert (count, bench) == before[:2] and spans and spans == _event_spans(settings, spans)
     for phase in report["phases"]:
+        assert phase["events_removed"] == phase["events_sent"]
+        assert phase["events_sent"] >= sum(step["events"] for step in phase["steps"])
         assert len(phase["worker_pids"]) == phase["workers"]
         assert [s["offered_eps"] for s in phase["steps"]] == [3.0, 6.0]
         for step in phase["steps"]:
@@ -493,3 +535,20 @@ def test_a_watermark_error_that_is_not_about_leaders_is_raised(monkeypatch):
     consumer = NewTopicConsumer(leaderless=10**6)  # never a leader: the deadline ends it
     with pytest.raises(KafkaException):
         load._assign_at_end(consumer, "answers", timeout_s=0.05)
+
+
+def test_a_phase_takes_its_stored_events_out_unless_told_to_keep_them(tmp_path, capsys) -> None:
+    settings = Settings(home=tmp_path)
+    engine = make_engine(str(settings.database_url))
+    row = {"user_id": "u", "item_id": "i", "event_type": "view"}
+    write_events(engine, [{**row, "event_id": "real", "ts_ms": 5}])
+    write_events(engine, [{**row, "event_id": f"load-x-{i}", "ts_ms": 9} for i in range(3)])
+    engine.dispose()
+    sent = ["load-x-0", "load-x-1", "load-x-2", "load-x-3"]  # the last never stored
+
+    assert load.remove_sent_events(settings, sent, LoadConfig(keep_events=True), 0.0) == {}
+    assert _store_figures(settings)[:2] == (4, 3)
+    figures = load.remove_sent_events(settings, sent, LoadConfig(), 0.0)
+    assert figures == {"events_sent": 4, "events_removed": 3}
+    assert "1 were not stored (yet)" in capsys.readouterr().out
+    assert _store_figures(settings) == (1, 0, [("u", 5, 5)])

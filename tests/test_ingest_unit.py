@@ -14,8 +14,9 @@ from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
 from genrec.ingest import consumer as consumer_module
 from genrec.ingest import replay
+from genrec.ingest import store as store_module
 from genrec.ingest.consumer import Ingestor
-from genrec.ingest.store import upsert_items, write_events
+from genrec.ingest.store import delete_events, upsert_items, write_events
 from genrec.schemas.tables import events, items, users
 
 Record = namedtuple("Record", "topic partition offset key value timestamp")
@@ -253,6 +254,31 @@ def test_store_is_idempotent_and_keeps_order(database_url):
     assert [r.event_id for r in stored] == [f"e{i}" for i in range(500)]
     assert stored[3].context == {"i": 3}
     assert tuple(span) == (5_000 - 499, 5_000)
+    engine.dispose()
+
+
+def test_deleted_events_narrow_their_users_spans_to_the_events_left(database_url, monkeypatch):
+    monkeypatch.setattr(store_module, "DELETE_CHUNK", 2)  # several statements per step
+    engine = make_engine(database_url)
+
+    def event(event_id, user, ts_ms):
+        return {"event_id": event_id, "user_id": user, "item_id": "i", "event_type": "view",
+                "ts_ms": ts_ms}  # fmt: skip
+
+    write_events(engine, [event("a1", "a", 10), event("a2", "a", 20), event("b1", "b", 5)])
+    write_events(engine, [event("bench-1", "a", 1), event("bench-2", "a", 99),
+                          event("bench-3", "b", 50), event("bench-4", "c", 70)])  # fmt: skip
+    assert delete_events(engine, ["bench-1", "bench-2", "bench-3", "bench-4", "never"]) == 4
+    assert delete_events(engine, []) == 0
+    with engine.connect() as connection:
+        left = connection.execute(select(events.c.event_id).order_by(events.c.id)).scalars()
+        spans = connection.execute(
+            select(users.c.user_id, users.c.first_ts_ms, users.c.last_ts_ms).order_by(
+                users.c.user_id
+            )
+        ).all()
+    assert list(left) == ["a1", "a2", "b1"]
+    assert [tuple(s) for s in spans] == [("a", 10, 20), ("b", 5, 5)]  # "c" had only bench-4
     engine.dispose()
 
 

@@ -173,8 +173,13 @@ def _register_load(bench: argparse._SubParsersAction) -> None:
     load.add_argument(
         "--refresh", action="store_true",
         help="before each started phase, refresh the prefix KVs (genrec offline refresh "
-        "--no-semantic-ids): every phase's events are stored, and a later phase would "
-        "otherwise prefill longer suffixes than the first",
+        "--no-semantic-ids): a store that moved on since its last refresh makes every "
+        "request prefill a longer suffix",
+    )  # fmt: skip
+    load.add_argument(
+        "--keep-events", action="store_true",
+        help="leave the bench's events in the behavior store (default: each phase's are "
+        "deleted after it, so every phase and run meets the store as the first found it)",
     )  # fmt: skip
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--json", type=Path, default=None, help="default: var/bench/load.json")
@@ -377,7 +382,7 @@ def _bench_load(args: argparse.Namespace) -> int:
             worker_pids=tuple(int(p) for p in args.worker_pids.split(",") if p.strip()),
             users=args.users, warmup_events=args.warmup_events, seed=args.seed,
             guarantees=tuple(g.strip() for g in args.guarantees.split(",") if g.strip()),
-            refresh=args.refresh,
+            refresh=args.refresh, keep_events=args.keep_events,
         )  # fmt: skip
     except ValueError as exc:  # --refresh with --no-start, --steps-per-doubling 0
         raise UserFacingError(f"bench load: {exc}") from exc

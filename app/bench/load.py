@@ -23,6 +23,10 @@ suffix costs every request, so refresh before comparing runs). A step overloads 
 p99 exceeds ``p99_ms`` or an event is left unanswered; each phase stops after the first
 step that overloads, and its held rate is the highest offered rate that did not.
 
+Its events are stored by ingest as a user's would be; after each phase the bench deletes
+them from the store again (``remove_sent_events``; ``keep_events`` leaves them), so every
+phase and the next run meet the store as the first phase found it.
+
 By default each phase starts its own services as production runs them, one
 ``genrec ingest`` beside N ``genrec serve`` workers (N = 1, then 2), in fresh consumer
 groups committed at the end of the events topic so no older event is served, and stops
@@ -60,6 +64,7 @@ import numpy as np
 from kafka import KafkaAdminClient
 from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
+from sqlalchemy import func, select
 
 from genrec.app.kafka_broker import KafkaBroker, KafkaBrokerError
 from genrec.app.services import skip_group_to_end, stop_service
@@ -70,7 +75,9 @@ from genrec.infra.librdkafka import LibrdkafkaProducer
 from genrec.infra.progress import progress_bar, stderr_is_terminal
 from genrec.infra.topics import create_topics
 from genrec.ingest.history import load_item_ids, load_user_histories
+from genrec.ingest.store import delete_events
 from genrec.schemas.events import UserEvent
+from genrec.schemas.tables import events as events_table
 
 if TYPE_CHECKING:
     from genrec.infra.settings import Settings
@@ -116,6 +123,10 @@ class LoadConfig:
     # so without it a later phase prefills longer suffixes and looks slower than it is.
     refresh: bool = False
     refresh_timeout_s: float = 3600.0
+    # After each phase, delete the events the bench sent from the behavior store again, so
+    # the next phase (and the next run) meets the store as this one found it, and synthetic
+    # events never reach a refresh's training or prefixes. True: leave them stored.
+    keep_events: bool = False
 
     def __post_init__(self) -> None:
         # here, not where the steps run: a bad run stops before it starts any service
@@ -398,8 +409,14 @@ class EventSender:
         self.producer = LibrdkafkaProducer(settings.kafka, linger_ms=0)
         self.partitions = len(self.producer.partitions_for(self.topic))
         self._failures: list[BaseException] = []
+        self.sent: list[str] = []  # event ids since the last ``take_sent`` (the phase's)
+
+    def take_sent(self) -> list[str]:
+        sent, self.sent = self.sent, []
+        return sent
 
     def send(self, event: UserEvent) -> None:
+        self.sent.append(event.event_id)
         future = self.producer.send(self.topic, key=event.kafka_key(), value=event.to_json_bytes())
         future.add_errback(self._failures.append)
 
@@ -979,6 +996,8 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
         stack.callback(answers.close)
         sender = EventSender(settings)
         stack.callback(sender.close)
+        # a run stopped by an error or Ctrl-C takes its phase's events out too
+        stack.callback(_remove_left_events, settings, sender, config)
         traffic = _Traffic(sender, picker, answers, config)
         guarantees = config.guarantees if config.start else ()
         for guarantee in guarantees or (settings.online.processing_guarantee,):
@@ -991,8 +1010,58 @@ def run_load_bench(settings: Settings, config: LoadConfig) -> dict[str, Any]:
                     phase = run_phase(
                         traffic, workers, config.worker_pids, None, path_pids(settings)
                     )
-                phases.append({"guarantee": guarantee, **phase})
+                # started services are stopped by now (their ingest stored what it read);
+                # an ingest that runs on is given the drain time to store the rest
+                removed = remove_sent_events(
+                    settings, sender.take_sent(), config, 0.0 if config.start else config.drain_s
+                )
+                phases.append({"guarantee": guarantee, **phase, **removed})
     return build_report(settings, config, phases, run_id)
+
+
+def remove_sent_events(
+    settings: Settings, sent: Sequence[str], config: LoadConfig, wait_s: float
+) -> dict[str, Any]:
+    """Unless ``config.keep_events``: the phase's events out of the behavior store again
+    (``genrec.ingest.store.delete_events``, which also narrows their users' spans back);
+    first waits up to ``wait_s`` for an ingest still running to store them all. Returns the
+    figures a phase reports; a store it cannot reach stops the bench."""
+    if config.keep_events or not sent:
+        return {}
+    engine = make_engine(str(settings.database_url))
+    try:
+        deadline = time.monotonic() + wait_s
+        while _stored_count(engine, sent) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        removed = delete_events(engine, sent)
+    finally:
+        engine.dispose()
+    left = "" if removed == len(sent) else (
+        f"; {len(sent) - removed} were not stored (yet): an ingest that stores them later "
+        "leaves them in the store"
+    )  # fmt: skip
+    print(f"load: removed the phase's {removed} stored events of the {len(sent)} it sent "
+          f"from the behavior store (--keep-events keeps them){left}")  # fmt: skip
+    return {"events_sent": len(sent), "events_removed": removed}
+
+
+def _remove_left_events(settings: Settings, sender: EventSender, config: LoadConfig) -> None:
+    """On the way out of an interrupted run (nothing is left after a finished one)."""
+    try:
+        remove_sent_events(settings, sender.take_sent(), config, 0.0)
+    except Exception:  # the error that stopped the run is the one to see
+        log.exception("could not remove the bench's events from the behavior store")
+
+
+def _stored_count(engine, event_ids: Sequence[str]) -> int:
+    chunk = 500
+    with engine.connect() as connection:
+        return sum(
+            connection.execute(
+                select(func.count()).where(events_table.c.event_id.in_(event_ids[i : i + chunk]))
+            ).scalar_one()
+            for i in range(0, len(event_ids), chunk)
+        )
 
 
 def refresh_prefix_kv(
