@@ -218,17 +218,36 @@ def upsert_users(connection: Connection, rows: Iterable[Sequence[Any]]) -> None:
 DELETE_CHUNK = 500  # ids per statement: well under SQLite's 32,766 bound parameters
 
 
+def reuses_event_ids(engine: Engine) -> bool:
+    """Whether the store would give a deleted newest event's ``events.id`` to the next one: a
+    SQLite events table created before ``sqlite_autoincrement`` (``schemas.tables``)."""
+    if engine.dialect.name != "sqlite":
+        return False  # PostgreSQL: a sequence
+    with engine.connect() as connection:
+        sql = connection.exec_driver_sql(
+            "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'events'"
+        ).scalar()
+    return sql is not None and "AUTOINCREMENT" not in sql.upper()
+
+
 def delete_events(engine: Engine, event_ids: Iterable[str]) -> int:
     """Delete the events with these ids (unknown ids are skipped) and set each of their users'
     [first_ts_ms, last_ts_ms] to the events the user has left (a user with none left goes);
     ONE transaction. Returns how many events were deleted.
 
     Every statement goes through the unique index on ``event_id`` and, per user, the history
-    index: the cost grows with the ids given and their users' events, not the store.
+    index: the cost grows with the ids given and their users' events, not the store. Refused
+    (``ValueError``, nothing deleted) on a store that ``reuses_event_ids``: readers that keep
+    "every event up to this id" would skip the events given the deleted ids.
     """
     ids = sorted(set(event_ids))
     if not ids:
         return 0
+    if reuses_event_ids(engine):
+        raise ValueError(
+            "this SQLite store's events table predates AUTOINCREMENT, so deleted events' ids "
+            "would be given to new events: nothing deleted"
+        )
     deleted, touched = 0, set()
     with engine.begin() as connection:
         for start in range(0, len(ids), DELETE_CHUNK):

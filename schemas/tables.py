@@ -70,6 +70,11 @@ events = Table(
     Column("kafka_partition", Integer, nullable=True),
     Column("kafka_offset", BigInteger, nullable=True),
     Column("ingested_at", DateTime(timezone=True), server_default=func.now(), nullable=False),
+    # Ids are never reused, as a PostgreSQL sequence's: readers keep "everything up to this
+    # id" (a prefix KV's cutoff row, a worker's history watermark), and SQLite's plain rowid
+    # would hand the ids of deleted newest events (bench load removes its own) to the next
+    # ones, which those readers would then skip. Stores created before this keep their table.
+    sqlite_autoincrement=True,
 )
 # Every history read (ingest.history) is "these users' events in (time, insertion) order,
 # item and event id": with those two columns in the index too, it is an index-only scan,

@@ -552,3 +552,11 @@ def test_a_phase_takes_its_stored_events_out_unless_told_to_keep_them(tmp_path, 
     assert figures == {"events_sent": 4, "events_removed": 3}
     assert "1 were not stored (yet)" in capsys.readouterr().out
     assert _store_figures(settings) == (1, 0, [("u", 5, 5)])
+
+
+def test_a_store_that_would_reuse_deleted_ids_keeps_the_events(tmp_path, monkeypatch, capsys):
+    settings = Settings(home=tmp_path)
+    monkeypatch.setattr(load, "reuses_event_ids", lambda engine: True)
+    figures = load.remove_sent_events(settings, ["load-x-0"], LoadConfig(), 0.0)
+    assert figures == {"events_sent": 1, "events_removed": 0}
+    assert "predates AUTOINCREMENT" in capsys.readouterr().out

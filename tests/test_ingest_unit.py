@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 from kafka.structs import TopicPartition
 from sqlalchemy import func, select
+from sqlalchemy.schema import CreateTable
 
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
@@ -279,6 +280,29 @@ def test_deleted_events_narrow_their_users_spans_to_the_events_left(database_url
         ).all()
     assert list(left) == ["a1", "a2", "b1"]
     assert [tuple(s) for s in spans] == [("a", 10, 20), ("b", 5, 5)]  # "c" had only bench-4
+    # the next event's id is past the deleted ones (readers keep "everything up to an id")
+    write_events(engine, [event("next", "a", 30)])
+    with engine.connect() as connection:
+        ids = dict(connection.execute(select(events.c.event_id, events.c.id)).all())
+    assert ids["next"] == 8  # seven written before it, not 4 (the id after "b1")
+    engine.dispose()
+
+
+def test_a_sqlite_store_that_would_reuse_deleted_ids_refuses_to_delete(tmp_path):
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    old = make_engine(url, create_tables=False)
+    with old.begin() as connection:  # the events table as stores made before AUTOINCREMENT
+        connection.exec_driver_sql(str(CreateTable(events).compile(old)).replace(
+            " AUTOINCREMENT", ""))  # fmt: skip
+    old.dispose()
+    engine = make_engine(url)
+    write_events(engine, rows(3))
+    assert store_module.reuses_event_ids(engine)
+    assert not store_module.reuses_event_ids(make_engine(f"sqlite:///{tmp_path / 'new.db'}"))
+    with pytest.raises(ValueError, match="predates AUTOINCREMENT"):
+        delete_events(engine, ["e0"])
+    with engine.connect() as connection:
+        assert connection.execute(select(func.count()).select_from(events)).scalar_one() == 3
     engine.dispose()
 
 
