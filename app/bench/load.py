@@ -119,8 +119,8 @@ class LoadConfig:
     seed: int = 0
     progress: bool = True  # a tqdm bar per step, on a terminal only
     # Before each started phase, refresh the prefix KVs from the store as the phases before
-    # left it (``genrec offline refresh --no-semantic-ids``): every phase's events are stored,
-    # so without it a later phase prefills longer suffixes and looks slower than it is.
+    # left it (``genrec offline refresh --no-semantic-ids``): a store that moved on since its
+    # last refresh (or keeps the bench's events) makes every request prefill a longer suffix.
     refresh: bool = False
     refresh_timeout_s: float = 3600.0
     # After each phase, delete the events the bench sent from the behavior store again, so
