@@ -181,6 +181,14 @@ class OnlineSettings(BaseModel):
     # batch's young histories and prompts, ~4 ms each, several times a batch of 64.
     gc_between_batches: bool = True
     max_poll_records: int = Field(default=500, ge=1)
+    # How long the broker may hold the consumer's fetch when it has no new event. kafka-python
+    # leaves a partition whose records are buffered (read, not yet polled) out of the next
+    # fetch and keeps one fetch in flight: an event for it, arriving while a batch decodes,
+    # waits for that fetch (of the other partitions) to come back, up to this long. At 500
+    # (kafka-python's default) one worker at 35 events/s saw a p99 of 84-139 ms and a max of
+    # 140-289 ms; at 20, 48-52 and 69-100 (docs/online.md). An idle worker fetches ~50 times a
+    # second for it; under load a fetch finds events at once.
+    fetch_max_wait_ms: int = Field(default=20, ge=0)
     # Where the per-user prefix KV caches live: "local" (files under refresh.kv_dir, an
     # index in the database) or "redis" (the shared tier of several hosts; section
     # `redis`). The refresh writes and the workers read the same backend.

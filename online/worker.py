@@ -590,6 +590,7 @@ class OnlineWorker(BatchHandler):
             session_timeout_ms=self.online.session_timeout_ms,
             heartbeat_interval_ms=max(100, self.online.session_timeout_ms // 3),
             max_poll_interval_ms=self.online.max_poll_interval_ms,
+            fetch_max_wait_ms=self.online.fetch_max_wait_ms,  # (settings: why not 500)
             # Exactly-once: offsets a transaction is still committing are waited for on a
             # rebalance (OffsetFetch require_stable), not read stale and answered twice.
             isolation_level="read_committed" if self.exactly_once else "read_uncommitted",

@@ -15,6 +15,7 @@ from kafka.future import Future
 from kafka.structs import ConsumerGroupMetadata, TopicPartition
 
 from genrec.infra.settings import Settings
+from genrec.online import worker as worker_module
 from genrec.online.batch_pipeline import InFlightBatch
 from genrec.online.live_version import ServingBundle, ServingVersions
 from genrec.online.recommender import PreparedBatch
@@ -1042,3 +1043,15 @@ def test_holding_the_collector_off_leaves_it_as_the_program_set_it() -> None:
         assert not gc.isenabled()  # the program's choice stands
     finally:
         gc.enable()
+
+
+def test_the_consumer_fetches_with_the_configured_wait(monkeypatch) -> None:
+    opened = {}
+    monkeypatch.setattr(
+        worker_module, "open_client", lambda cls, kafka, **options: opened.update(options)
+    )
+    monkeypatch.setattr(worker_module, "subscribe_when_ready", lambda *args, **kwargs: None)
+    worker, *_ = make_worker([], fetch_max_wait_ms=7)
+    worker._kafka_consumer(listener=None)
+    assert opened["fetch_max_wait_ms"] == 7
+    assert Settings().online.fetch_max_wait_ms == 20  # not kafka-python's 500 (settings)
