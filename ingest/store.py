@@ -230,6 +230,17 @@ def reuses_event_ids(engine: Engine) -> bool:
     return sql is not None and "AUTOINCREMENT" not in sql.upper()
 
 
+def count_events(engine: Engine, event_ids: Sequence[str]) -> int:
+    """How many of these event ids the store holds (through the unique index, in chunks)."""
+    with engine.connect() as connection:
+        return sum(
+            connection.execute(
+                select(func.count()).where(events.c.event_id.in_(event_ids[i : i + DELETE_CHUNK]))
+            ).scalar_one()
+            for i in range(0, len(event_ids), DELETE_CHUNK)
+        )
+
+
 def delete_events(engine: Engine, event_ids: Iterable[str]) -> int:
     """Delete the events with these ids (unknown ids are skipped) and set each of their users'
     [first_ts_ms, last_ts_ms] to the events the user has left (a user with none left goes);

@@ -531,3 +531,12 @@ def test_replay_items_alone_loads_the_catalog_and_produces_nothing(tmp_path, mon
         assert "give --dataset or --events to replay, or --items" in capsys.readouterr().err
     finally:
         get_settings.cache_clear()
+
+
+def test_count_events_counts_the_stored_ids_in_chunks(database_url, monkeypatch):
+    monkeypatch.setattr(store_module, "DELETE_CHUNK", 2)
+    engine = make_engine(database_url)
+    write_events(engine, rows(5))
+    assert store_module.count_events(engine, ["e0", "e1", "e2", "e4", "never"]) == 4
+    assert store_module.count_events(engine, []) == 0
+    engine.dispose()

@@ -64,7 +64,6 @@ import numpy as np
 from kafka import KafkaAdminClient
 from kafka.partitioner.default import murmur2
 from pydantic_core import from_json
-from sqlalchemy import func, select
 
 from genrec.app.kafka_broker import KafkaBroker, KafkaBrokerError
 from genrec.app.services import skip_group_to_end, stop_service
@@ -75,9 +74,8 @@ from genrec.infra.librdkafka import LibrdkafkaProducer
 from genrec.infra.progress import progress_bar, stderr_is_terminal
 from genrec.infra.topics import create_topics
 from genrec.ingest.history import load_item_ids, load_user_histories
-from genrec.ingest.store import delete_events, reuses_event_ids
+from genrec.ingest.store import count_events, delete_events, reuses_event_ids
 from genrec.schemas.events import UserEvent
-from genrec.schemas.tables import events as events_table
 
 if TYPE_CHECKING:
     from genrec.infra.settings import Settings
@@ -1035,7 +1033,7 @@ def remove_sent_events(
                   "events table predates AUTOINCREMENT and would reuse their ids")  # fmt: skip
             return {"events_sent": len(sent), "events_removed": 0}
         deadline = time.monotonic() + wait_s
-        while _stored_count(engine, sent) < len(sent) and time.monotonic() < deadline:
+        while count_events(engine, sent) < len(sent) and time.monotonic() < deadline:
             time.sleep(0.5)
         removed = delete_events(engine, sent)
     finally:
@@ -1055,17 +1053,6 @@ def _remove_left_events(settings: Settings, sender: EventSender, config: LoadCon
         remove_sent_events(settings, sender.take_sent(), config, 0.0)
     except Exception:  # the error that stopped the run is the one to see
         log.exception("could not remove the bench's events from the behavior store")
-
-
-def _stored_count(engine, event_ids: Sequence[str]) -> int:
-    chunk = 500
-    with engine.connect() as connection:
-        return sum(
-            connection.execute(
-                select(func.count()).where(events_table.c.event_id.in_(event_ids[i : i + chunk]))
-            ).scalar_one()
-            for i in range(0, len(event_ids), chunk)
-        )
 
 
 def refresh_prefix_kv(
