@@ -654,6 +654,32 @@ class Settings(BaseSettings):
         target.parent.mkdir(parents=True, exist_ok=True)
         return target
 
+    def stored_path(self, path: Path | str) -> str:
+        """``path`` as a store row keeps it (an artifact folder): relative to the data
+        directory where it lies under it, so that a store moves with its data directory
+        (a backup restored elsewhere, a copy for a benchmark) and a copy's garbage
+        collection deletes its own folders, never the original's. Other paths stay absolute.
+
+        >>> Settings(data_dir="/srv/genrec").stored_path("/srv/genrec/artifacts/models/v3")
+        'artifacts/models/v3'
+        """
+        path = Path(path)
+        assert self.data_dir is not None
+        try:
+            return path.relative_to(self.data_dir).as_posix()
+        except ValueError:
+            return str(path)
+
+    def resolve_stored(self, stored: Path | str) -> Path:
+        """The folder a store row names: a relative path under the data directory, an
+        absolute one as it is (rows written before paths were stored relative).
+
+        >>> str(Settings(data_dir="/srv/genrec").resolve_stored("artifacts/models/v3"))
+        '/srv/genrec/artifacts/models/v3'
+        """
+        assert self.data_dir is not None
+        return self.data_dir / Path(stored)  # joining an absolute path keeps it whole
+
     def redacted(self) -> dict[str, Any]:
         """Settings as a dict safe to log: secrets stay masked, URL passwords removed."""
         dumped = self.model_dump(mode="json")

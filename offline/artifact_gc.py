@@ -15,7 +15,8 @@ file lists of serving versions that are not kept and every blob no kept version 
 Example::
 
     >>> from genrec.infra.database import make_engine
-    >>> collect_old_versions(make_engine("sqlite:///:memory:"), keep_serving=[])
+    >>> from genrec.infra.settings import Settings
+    >>> collect_old_versions(Settings(), make_engine("sqlite:///:memory:"), keep_serving=[])
     {'model_versions_collected': 0, 'semantic_id_versions_collected': 0}
 """
 
@@ -42,12 +43,15 @@ COLLECTED = "collected"
 _NEVER_COLLECTED = ("building", "active", COLLECTED)  # a run in flight, the live one, done
 
 
-def collect_old_versions(engine: Engine, keep_serving: Iterable[int]) -> dict[str, int]:
+def collect_old_versions(settings, engine: Engine, keep_serving: Iterable[int]) -> dict[str, int]:
     """Collect model and semantic-ID versions older than everything still needed.
 
     ``keep_serving``: serving versions whose pinned versions stay (the refresh
     passes its ``keep_versions`` most recently activated). Nothing is collected
-    while no serving version is kept. Returns how many of each were collected.
+    while no serving version is kept. Returns how many of each were collected. Only
+    folders under ``settings.data_dir`` are deleted: a row written before artifact paths
+    were stored relative may name another store's folder (this one copied or restored
+    elsewhere), which is left in place with a warning.
     """
     needed_models, needed_sids = _needed(engine, [int(v) for v in keep_serving])
     counts = {}
@@ -59,7 +63,7 @@ def collect_old_versions(engine: Engine, keep_serving: Iterable[int]) -> dict[st
         # be a build that a run is about to activate.
         old = _collectable(engine, table, min(needed)) if needed else []
         for version, folder in old:
-            _collect(engine, table, int(version), folder)
+            _collect(engine, table, int(version), _own_folder(settings, folder))
         counts[key] = len(old)
     if any(counts.values()):
         log.info("collected %s", counts)
@@ -110,7 +114,7 @@ def _needed(engine: Engine, keep_serving: list[int]) -> tuple[set[int], set[int]
     return models, sids
 
 
-def _collect(engine: Engine, table, version: int, folder: str | None) -> None:
+def _collect(engine: Engine, table, version: int, folder: Path | None) -> None:
     """Mark the row collected and its item rows gone (one transaction), then delete its folder."""
     with engine.begin() as connection:
         connection.execute(update(table).where(table.c.version == version).values(status=COLLECTED))
@@ -119,7 +123,18 @@ def _collect(engine: Engine, table, version: int, folder: str | None) -> None:
                 delete(semantic_id_items).where(semantic_id_items.c.version == version)
             )
     if folder:
-        shutil.rmtree(Path(folder), ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _own_folder(settings, stored: str | None) -> Path | None:
+    """The folder a row names, where it is this store's (under its data directory)."""
+    if not stored:
+        return None
+    folder = settings.resolve_stored(stored)
+    if not folder.is_relative_to(settings.data_dir):
+        log.warning("not deleting %s: it is outside this store's data directory", folder)
+        return None
+    return folder
 
 
 def _number(value) -> int | None:

@@ -460,7 +460,7 @@ def _executor_and_folder(settings, engine, models) -> tuple[Executor, str | None
     executor = make_executor(settings)
     if not executor.remote:
         return executor, None
-    return executor, model_artifact_dir(engine, models.version)
+    return executor, model_artifact_dir(settings, engine, models.version)
 
 
 def _torch_threads() -> int:

@@ -191,7 +191,7 @@ def batches(items: list, size: int) -> list[list]:
 # --- what a pool's workers hold: a model version's models -----------------------------
 
 
-def model_artifact_dir(engine, version: int | None) -> str | None:
+def model_artifact_dir(settings, engine, version: int | None) -> str | None:
     """The artifact folder of model ``version`` (None: unknown, or a version never saved).
 
     Ray actors load their models from here rather than receiving them from the driver:
@@ -213,7 +213,9 @@ def model_artifact_dir(engine, version: int | None) -> str | None:
             ).first()
     except (TypeError, ValueError):  # a version that is not a saved model's number
         return None
-    return None if row is None or not row.artifact_dir else str(row.artifact_dir)
+    if row is None or not row.artifact_dir:
+        return None
+    return str(settings.resolve_stored(row.artifact_dir))
 
 
 def load_version_models(folder: str):

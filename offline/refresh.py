@@ -543,7 +543,7 @@ class _Run:
             self._kv_pool_remote = executor.remote
             build, args = load_version_target, ()
             if executor.remote:
-                folder = model_artifact_dir(self.engine, models.version)
+                folder = model_artifact_dir(self.settings, self.engine, models.version)
                 if folder is not None:
                     args = (folder,)
                 else:
@@ -575,7 +575,7 @@ class _Run:
         try:
             keep = recent_activated_versions(self.engine, self.settings.refresh.keep_versions)
             report.counts["kv_versions_removed"] = self.store.garbage_collect(keep)
-            report.counts.update(collect_old_versions(self.engine, keep))
+            report.counts.update(collect_old_versions(self.settings, self.engine, keep))
             if self.settings.artifacts.store != "local":
                 report.counts.update(collect_published_artifacts(self.engine, keep))
             if "kv" in report.counts and hasattr(self.store, "user_sizes"):

@@ -62,7 +62,7 @@ def serving_files(model_dir: Path, recall: Path) -> dict[str, Path]:
     return files
 
 
-def model_artifact_dir(engine: Engine, model_version: Any) -> Path:
+def model_artifact_dir(settings, engine: Engine, model_version: Any) -> Path:
     query = select(model_versions.c.artifact_dir).where(
         model_versions.c.version == int(model_version)
     )
@@ -70,7 +70,7 @@ def model_artifact_dir(engine: Engine, model_version: Any) -> Path:
         folder = connection.execute(query).scalar()
     if not folder:
         raise RuntimeError(f"model version {model_version} has no artifact folder")
-    return Path(folder)
+    return settings.resolve_stored(folder)
 
 
 def publish_serving_version(
@@ -83,7 +83,9 @@ def publish_serving_version(
         return None
     if model_version is None:
         raise RuntimeError(f"serving version {version} pins no model version: nothing to serve")
-    files = serving_files(model_artifact_dir(engine, model_version), recall_root(settings))
+    files = serving_files(
+        model_artifact_dir(settings, engine, model_version), recall_root(settings)
+    )
     return store.publish(version, files)
 
 

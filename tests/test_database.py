@@ -67,6 +67,18 @@ def test_settings_honour_home_and_env(monkeypatch, tmp_path):
     assert settings.kafka.client_config()["bootstrap_servers"] == ["127.0.0.1:19092"]
 
 
+def test_artifact_paths_are_stored_relative_to_the_data_dir(tmp_path):
+    settings = Settings(data_dir=tmp_path / "var")
+    inside = settings.path("artifacts", "models", "v3")
+    assert settings.stored_path(inside) == "artifacts/models/v3"
+    assert settings.resolve_stored("artifacts/models/v3") == inside
+    moved = Settings(data_dir=tmp_path / "restored")
+    assert moved.resolve_stored("artifacts/models/v3") == tmp_path / "restored/artifacts/models/v3"
+    # Outside the data directory, and rows written before: absolute, read as they are.
+    assert settings.stored_path(tmp_path / "elsewhere") == str(tmp_path / "elsewhere")
+    assert moved.resolve_stored(str(inside)) == inside
+
+
 def test_settings_read_toml_and_keep_secrets_out_of_dumps(monkeypatch, tmp_path):
     config = tmp_path / "genrec.toml"
     config.write_text(

@@ -133,7 +133,7 @@ def test_prefix_kv_on_ray_actors_loading_the_version_folder_equals_local(tmp_pat
     for name, offline in (("local", None), ("ray", ray_cluster)):
         settings, engine = _store_with_events(tmp_path, name, offline, kv_batch_size=5)
         models = _saved_tiny_version(settings, engine)
-        assert model_artifact_dir(engine, models.version) is not None
+        assert model_artifact_dir(settings, engine, models.version) is not None
         steps = FakeSteps()
         steps.load_models = lambda _s, _e, models=models: models
         report, caches = _refresh(settings, engine, steps)
@@ -231,5 +231,5 @@ def test_generative_ranking_of_eval_on_ray_equals_local(tmp_path, ray_cluster):
     options = {"which": ["target", "sft"], "batch_size": 7}
     local = generative_lists(models, cases, 5, **options, executor=LocalExecutor())
     remote = generative_lists(models, cases, 5, **options, executor=RayExecutor(ray_cluster),
-                              folder=model_artifact_dir(engine, models.version))  # fmt: skip
+                              folder=model_artifact_dir(settings, engine, models.version))  # fmt: skip
     assert local == remote and len(local["target"]) == 25 and len(local["target"][0]) == 5

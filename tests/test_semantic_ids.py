@@ -6,6 +6,7 @@ copy of the store.
 """
 
 import json
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -36,6 +37,13 @@ def copy_store(engine, target: Path):
     source.close()
     destination.close()
     return make_engine(f"sqlite:///{target}")
+
+
+def copy_data_dir(settings: Settings, target: Path) -> Settings:
+    """Settings for a copy of ``settings``' data directory (its artifacts: a store's copy
+    needs its folders, which its rows name relative to the data directory)."""
+    shutil.copytree(settings.data_dir / "artifacts", target / "artifacts")
+    return settings.model_copy(update={"data_dir": target})
 
 
 def settings_for(home: Path, cache: Path, **semantic_ids) -> Settings:
@@ -150,7 +158,7 @@ def test_refresh_keeps_old_ids_and_gives_new_items_unique_ids(built, tmp_path):
     settings, engine, report, cache = built
     old = load_active_semantic_ids(engine)
     engine = copy_store(engine, tmp_path / "store.db")
-    settings = settings.model_copy(update={"data_dir": tmp_path / "var"})  # one per store
+    settings = copy_data_dir(settings, tmp_path / "var")  # one per store
     new_ids = add_new_items(engine, 50)
     refreshed = build_semantic_ids(settings, engine, progress=False)
     assert refreshed.kind == "refresh" and refreshed.version == report.version + 1
@@ -244,6 +252,7 @@ def test_cli_writes_json_summary(built, tmp_path, monkeypatch):
 
     settings, engine, report, cache = built
     engine = copy_store(engine, tmp_path / "store.db")
+    copy_data_dir(settings, tmp_path / "var")
     monkeypatch.setenv("GENREC_HOME", str(tmp_path))
     monkeypatch.setenv("GENREC_DATA_DIR", str(tmp_path / "var"))
     monkeypatch.setenv("GENREC_DATABASE_URL", str(engine.url))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from genrec.online.models.store import (
     ModelBundle,
     load_active_models,
     load_model_folder,
+    load_model_version,
     save_model_version,
 )
 from genrec.online.prompts import ItemTokens
@@ -115,6 +118,17 @@ def test_saved_artifacts_reload_with_identical_topk(
     assert [[i for i, _ in row] for row in sft_after] == [[i for i, _ in row] for row in sft_before]
     assert np.allclose([[s for _, s in row] for row in sft_after],
                        [[s for _, s in row] for row in sft_before], atol=1e-4)  # fmt: skip
+    # The row names the folder relative to the data directory: a moved store still loads.
+    with ml100k_sample_store.connect() as connection:
+        stored = connection.execute(select(model_versions.c.artifact_dir).where(
+            model_versions.c.version == version)).scalar()  # fmt: skip
+    assert stored == f"artifacts/models/v{version}"
+    moved = tmp_path / "moved"
+    shutil.move(settings.data_dir, moved)
+    from_moved = load_model_version(
+        settings.model_copy(update={"data_dir": moved}), ml100k_sample_store, version
+    )
+    assert recommend_generative(from_moved, cases, 10) == after
 
 
 def test_cli_registers_offline_train():

@@ -157,7 +157,7 @@ def _load_version(connection, row) -> SemanticIdSet:
     return SemanticIdSet(int(row.version), [item for item, _ in item_rows], codes, layout)
 
 
-def active_artifact_dir(engine: Engine) -> Path:
+def active_artifact_dir(settings, engine: Engine) -> Path:
     with engine.connect() as connection:
         row = connection.execute(
             select(semantic_id_versions.c.artifact_dir).where(
@@ -168,13 +168,12 @@ def active_artifact_dir(engine: Engine) -> Path:
         raise NoActiveSemanticIds(
             "no active semantic-ID version: run `genrec offline semantic-ids`"
         )
-    return Path(row.artifact_dir)
+    return settings.resolve_stored(row.artifact_dir)
 
 
 def load_item_embeddings(settings, engine: Engine) -> tuple[list[str], np.ndarray]:
     """Item ids and unit embeddings (float32 [n, dim]) of the active version, for ANN recall."""
-    del settings
-    return _read_item_embeddings(active_artifact_dir(engine))
+    return _read_item_embeddings(active_artifact_dir(settings, engine))
 
 
 def _read_item_embeddings(folder: Path) -> tuple[list[str], np.ndarray]:
@@ -184,8 +183,7 @@ def _read_item_embeddings(folder: Path) -> tuple[list[str], np.ndarray]:
 
 def open_item_index(settings, engine: Engine) -> ItemIndex:
     """The active version's FAISS index over item embeddings (inner product on unit vectors)."""
-    del settings
-    folder = active_artifact_dir(engine)
+    folder = active_artifact_dir(settings, engine)
     return ItemIndex.load(
         folder / "items.faiss", json.loads((folder / "item_ids.json").read_text())
     )
@@ -225,7 +223,7 @@ def build_semantic_ids(
         renamed = True
         report.artifact_dir = str(final_dir)
         _write_items(engine, version, item_ids, report.metrics.pop("_ids"))
-        _activate(engine, version, report, final_dir)
+        _activate(engine, version, report, final_dir, settings.stored_path(final_dir))
     except BaseException as exc:
         shutil.rmtree(work_dir, ignore_errors=True)
         if renamed:  # only the folder this build created
@@ -244,7 +242,7 @@ def _build(settings, engine, version, kind, previous, item_ids, work_dir, progre
     if kind == "refresh":
         with engine.connect() as connection:
             old = _load_version(connection, previous)
-        old_dir = Path(previous.artifact_dir)
+        old_dir = settings.resolve_stored(previous.artifact_dir)
         if not (old_dir / "rqvae.safetensors").exists():
             raise FileNotFoundError(
                 f"artifacts of active semantic-ID version v{previous.version} are missing "
@@ -622,8 +620,9 @@ def _write_items(engine: Engine, version: int, item_ids: list[str], ids: np.ndar
             connection.execute(insert(semantic_id_items), rows)
 
 
-def _activate(engine: Engine, version: int, report: BuildReport, folder: Path) -> None:
-    """One transaction: the new version becomes complete and the only active one."""
+def _activate(engine: Engine, version: int, report: BuildReport, folder: Path, stored: str) -> None:
+    """One transaction: the new version becomes complete and the only active one
+    (``stored``: ``folder`` as the row keeps it)."""
     layout = (folder / "layout.json").read_text()
     metrics = json.loads(json.dumps(report.metrics | {"timings": report.timings}, default=float))
     with engine.begin() as connection:
@@ -640,7 +639,7 @@ def _activate(engine: Engine, version: int, report: BuildReport, folder: Path) -
                 active=True,
                 layout=layout,
                 metrics=metrics,
-                artifact_dir=str(folder),
+                artifact_dir=stored,
                 completed_at=datetime.now(UTC),
             )
         )

@@ -94,12 +94,11 @@ def save_model_version(settings, engine: Engine, bundle: ModelBundle, activate: 
         if final.exists():
             raise FileExistsError(f"model artifact folder already exists: {final}")
         scratch.rename(final)
+        stored = settings.stored_path(final)
         if activate:
-            activate_model_version(engine, version, bundle.metrics, final)
+            activate_model_version(engine, version, bundle.metrics, stored)
         else:
-            _set(
-                engine, version, status="complete", metrics=bundle.metrics, artifact_dir=str(final)
-            )
+            _set(engine, version, status="complete", metrics=bundle.metrics, artifact_dir=stored)
     except BaseException as exc:
         shutil.rmtree(scratch, ignore_errors=True)
         _set(engine, version, status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -108,8 +107,9 @@ def save_model_version(settings, engine: Engine, bundle: ModelBundle, activate: 
     return int(version)
 
 
-def activate_model_version(engine: Engine, version: int, metrics: dict, folder: Path) -> None:
-    """Retire the active version and activate ``version``, in one transaction."""
+def activate_model_version(engine: Engine, version: int, metrics: dict, folder: str) -> None:
+    """Retire the active version and activate ``version``, in one transaction; ``folder``
+    as the row keeps it (``Settings.stored_path``)."""
     now = datetime.now(UTC)
     with engine.begin() as connection:
         connection.execute(
@@ -120,7 +120,7 @@ def activate_model_version(engine: Engine, version: int, metrics: dict, folder: 
         connection.execute(
             update(model_versions)
             .where(model_versions.c.version == version)
-            .values(status="active", metrics=metrics, artifact_dir=str(folder), activated_at=now)
+            .values(status="active", metrics=metrics, artifact_dir=folder, activated_at=now)
         )
 
 
@@ -200,7 +200,7 @@ def load_model_version(
         raise NoActiveModels(f"no {what}: run `genrec offline train` first")
     if row.status not in ("active", "complete", "retired"):
         raise NoActiveModels(f"model version {row.version} is {row.status}, not complete")
-    folder = Path(folder) if folder is not None else Path(row.artifact_dir)
+    folder = Path(folder) if folder is not None else settings.resolve_stored(row.artifact_dir)
     models = load_model_folder(folder, device, version=int(row.version))
     models.beam_width = settings.model.beam_width
     return models
