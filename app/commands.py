@@ -61,13 +61,17 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     store_commands = store.add_subparsers(dest="store_command", metavar="COMMAND")
     indexes = store_commands.add_parser(
         "indexes",
-        help="list the schema's indexes the store lacks (a store made by an older release)",
+        help="list the schema's indexes the store lacks, and those it replaced (a store made "
+        "by an older release)",
         description="Tables are created if missing, but an index added to an existing table "
-        "is not: list the schema's indexes that settings.database_url lacks, and with --create "
-        "build them (CONCURRENTLY on PostgreSQL: ingest and serve keep running). Exit code 1 "
-        "when some are missing and --create was not given.",
+        "is not: list the schema's indexes that settings.database_url lacks and the ones the "
+        "schema replaced that it still has; with --create build the missing ones, then drop "
+        "the replaced ones of each table that has all of its own (CONCURRENTLY on PostgreSQL: "
+        "ingest and serve keep running). Exit code 1 when something is left to do.",
     )  # fmt: skip
-    indexes.add_argument("--create", action="store_true", help="build the missing indexes")
+    indexes.add_argument(
+        "--create", action="store_true", help="build the missing indexes, drop the replaced ones"
+    )
     indexes.set_defaults(handler=_store_indexes)
 
     demo = commands.add_parser(
@@ -140,15 +144,23 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 
 def _store_indexes(args: argparse.Namespace) -> int:
-    from genrec.infra.database import create_indexes, make_engine, missing_indexes
+    from genrec.infra.database import (
+        create_indexes,
+        drop_replaced_indexes,
+        make_engine,
+        missing_indexes,
+        replaced_indexes,
+    )
 
     engine = make_engine(get_settings().database_url)
     try:
-        missing = missing_indexes(engine)
+        missing, replaced = missing_indexes(engine), replaced_indexes(engine)
         for index in missing:
             print(f"missing {index.name} on {index.table.name}")
-        if not missing:
-            print("every index of the schema is there")
+        for table, name in replaced:
+            print(f"replaced {name} on {table} (dropped by --create once the table has the rest)")
+        if not missing and not replaced:
+            print("every index of the schema is there, and none it replaced")
             return 0
         if not args.create:
             return 1
@@ -156,7 +168,9 @@ def _store_indexes(args: argparse.Namespace) -> int:
         left = {index.name for index in missing_indexes(engine)}
         for index in missing:
             print(f"{'FAILED' if index.name in left else 'built'} {index.name}")
-        return 1 if left else 0
+        for table, name in drop_replaced_indexes(engine):
+            print(f"dropped {name} on {table}")
+        return 1 if left or replaced_indexes(engine) else 0
     finally:
         engine.dispose()
 

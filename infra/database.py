@@ -5,7 +5,9 @@ does not ship migrations yet. ``create_all`` builds a table's indexes only with 
 so a store created by an older release lacks the indexes added since: every engine made
 with ``create_tables`` logs a warning naming them, ``missing_indexes`` lists them and
 ``create_indexes`` builds them (``genrec store indexes --create``; on PostgreSQL
-``CONCURRENTLY``, so ingest keeps writing meanwhile).
+``CONCURRENTLY``, so ingest keeps writing meanwhile). Indexes the schema has replaced
+(``schemas.tables.REPLACED_INDEXES``) are listed by ``replaced_indexes`` and dropped by
+``drop_replaced_indexes`` once their table has every index of the schema.
 
 Example::
 
@@ -26,7 +28,7 @@ from sqlalchemy import Engine, Index, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex
 
-from genrec.schemas.tables import metadata
+from genrec.schemas.tables import REPLACED_INDEXES, metadata
 
 log = logging.getLogger("genrec.database")
 
@@ -82,6 +84,37 @@ def create_indexes(engine: Engine, indexes: Sequence[Index]) -> None:
             connection.exec_driver_sql(ddl)
 
 
+def replaced_indexes(engine: Engine) -> list[tuple[str, str]]:
+    """(table, index) of the indexes the schema has replaced that the store still has."""
+    inspector = inspect(engine)
+    tables = set(inspector.get_table_names())
+    found = []
+    for table, names in sorted(REPLACED_INDEXES.items()):
+        if table in tables:
+            present = {index["name"] for index in inspector.get_indexes(table)}
+            found += [(table, name) for name in names if name in present]
+    return found
+
+
+def drop_replaced_indexes(engine: Engine) -> list[tuple[str, str]]:
+    """Drop the replaced indexes of every table that lacks none of the schema's (on
+    PostgreSQL ``CONCURRENTLY``: writes go on); returns those dropped."""
+    incomplete = {index.table.name for index in missing_indexes(engine)}
+    dropped = []
+    for table, name in replaced_indexes(engine):
+        if table in incomplete:  # its replacement is not built: reads still need this one
+            continue
+        log.info("dropping index %s on %s (replaced)", name, table)
+        if is_postgres(engine):
+            with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+                connection.exec_driver_sql(f'DROP INDEX CONCURRENTLY IF EXISTS "{name}"')
+        else:
+            with engine.begin() as connection:
+                connection.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
+        dropped.append((table, name))
+    return dropped
+
+
 def _warn_if_indexes_missing(engine: Engine) -> None:
     missing = missing_indexes(engine)
     if missing:
@@ -89,6 +122,13 @@ def _warn_if_indexes_missing(engine: Engine) -> None:
             "the store lacks %s (it predates them; reads are correct but slower): "
             "run `genrec store indexes --create`",
             ", ".join(f"index {i.name} on {i.table.name}" for i in missing),
+        )
+    replaced = replaced_indexes(engine)
+    if replaced:
+        log.warning(
+            "the store keeps %s, which the schema replaced (every insert pays for it): "
+            "run `genrec store indexes --create`",
+            ", ".join(f"index {name} on {table}" for table, name in replaced),
         )
 
 

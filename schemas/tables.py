@@ -89,6 +89,14 @@ Index(
 )  # fmt: skip
 # No index on item_id: nothing reads events by item, and every index costs ingest time.
 
+# Indexes earlier releases built that the schema has since replaced, by table. `genrec store
+# indexes --create` drops each once its table has every index of the schema (not before:
+# reads would go without one while the replacement builds); until then every insert pays
+# for both.
+REPLACED_INDEXES: dict[str, tuple[str, ...]] = {
+    "events": ("ix_events_user_ts",),  # (user_id, ts_ms, id): ix_events_user_history covers it
+}
+
 # --- semantic ids -----------------------------------------------------------
 
 # One row per build. Readers only use the single row with active = true, which is

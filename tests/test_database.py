@@ -7,7 +7,13 @@ from sqlalchemy import insert, inspect, select, update
 from sqlalchemy.exc import IntegrityError
 
 from genrec.app.cli import main
-from genrec.infra.database import create_indexes, make_engine, missing_indexes
+from genrec.infra.database import (
+    create_indexes,
+    drop_replaced_indexes,
+    make_engine,
+    missing_indexes,
+    replaced_indexes,
+)
 from genrec.infra.settings import Settings, get_settings, redact_url
 from genrec.schemas.tables import events, serving_versions
 
@@ -129,6 +135,38 @@ def test_unknown_genrec_variables_stop_the_command_with_the_closest_name(monkeyp
     names = setting_names()
     assert {"GENREC_HOME", "GENREC_ONLINE__AUTO_MODE_BATCHES", "GENREC_KAFKA__BOOTSTRAP"} <= names
     get_settings.cache_clear()
+
+
+def test_an_index_the_schema_replaced_is_dropped_once_its_replacement_is_built(
+    database_url, monkeypatch, caplog, capsys
+):
+    """A store made before the history index has ix_events_user_ts and lacks the new one:
+    --create builds the new one first, then drops the old one."""
+    engine = make_engine(database_url)
+    with engine.begin() as connection:
+        connection.exec_driver_sql("DROP INDEX ix_events_user_history")
+        connection.exec_driver_sql("CREATE INDEX ix_events_user_ts ON events (user_id, ts_ms, id)")
+    engine.dispose()
+    with caplog.at_level(logging.WARNING, logger="genrec.database"):
+        engine = make_engine(database_url)
+    assert "keeps index ix_events_user_ts on events, which the schema replaced" in caplog.text
+    assert replaced_indexes(engine) == [("events", "ix_events_user_ts")]
+    assert drop_replaced_indexes(engine) == []  # its replacement is not there yet
+    monkeypatch.setenv("GENREC_DATABASE_URL", database_url)
+    get_settings.cache_clear()
+    try:
+        assert main(["store", "indexes"]) == 1
+        out = capsys.readouterr().out
+        assert "missing ix_events_user_history" in out and "replaced ix_events_user_ts" in out
+        assert main(["store", "indexes", "--create"]) == 0
+        out = capsys.readouterr().out
+        assert "built ix_events_user_history" in out and "dropped ix_events_user_ts" in out
+        names = {i["name"] for i in inspect(engine).get_indexes("events")}
+        assert "ix_events_user_history" in names and "ix_events_user_ts" not in names
+        assert main(["store", "indexes"]) == 0
+    finally:
+        get_settings.cache_clear()
+    engine.dispose()
 
 
 @pytest.mark.integration
