@@ -73,6 +73,17 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
         "--create", action="store_true", help="build the missing indexes, drop the replaced ones"
     )
     indexes.set_defaults(handler=_store_indexes)
+    paths = store_commands.add_parser(
+        "artifact-paths",
+        help="list artifact folders the store names by absolute path (rows of an older "
+        "release), and rewrite them relative to the data directory",
+        description="Rows written since artifact paths are stored relative to the data "
+        "directory move with it; older rows name their folders absolutely. List those, and "
+        "with --rewrite store the ones under settings.data_dir relative to it (run it where "
+        "the store is, before moving or copying it). Exit code 1 when some are left absolute.",
+    )  # fmt: skip
+    paths.add_argument("--rewrite", action="store_true", help="store them relative")
+    paths.set_defaults(handler=_store_artifact_paths)
 
     demo = commands.add_parser(
         "demo",
@@ -171,6 +182,27 @@ def _store_indexes(args: argparse.Namespace) -> int:
         for table, name in drop_replaced_indexes(engine):
             print(f"dropped {name} on {table}")
         return 1 if left or replaced_indexes(engine) else 0
+    finally:
+        engine.dispose()
+
+
+def _store_artifact_paths(args: argparse.Namespace) -> int:
+    from genrec.infra.database import absolute_artifact_paths, make_engine
+
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
+    try:
+        found = absolute_artifact_paths(engine, settings.data_dir, rewrite=args.rewrite)
+        for table, version, stored, relative in found:
+            if relative is None:
+                print(f"{table} v{version}: {stored} (outside the data directory: kept)")
+            else:
+                done = "rewritten" if args.rewrite else "absolute"
+                print(f"{table} v{version}: {stored} -> {relative} ({done})")
+        if not found:
+            print("every artifact folder is stored relative to the data directory")
+        left = [row for row in found if row[3] is None or not args.rewrite]
+        return 1 if left else 0
     finally:
         engine.dispose()
 

@@ -8,6 +8,9 @@ with ``create_tables`` logs a warning naming them, ``missing_indexes`` lists the
 ``CONCURRENTLY``, so ingest keeps writing meanwhile). Indexes the schema has replaced
 (``schemas.tables.REPLACED_INDEXES``) are listed by ``replaced_indexes`` and dropped by
 ``drop_replaced_indexes`` once their table has every index of the schema.
+``absolute_artifact_paths`` finds the artifact folders that rows written before paths were
+stored relative name absolutely, and rewrites those under the data directory
+(``genrec store artifact-paths --rewrite``), so that the store can be moved.
 
 Example::
 
@@ -24,11 +27,16 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from sqlalchemy import Engine, Index, create_engine, event, inspect, text
+from sqlalchemy import Engine, Index, create_engine, event, inspect, select, text, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex
 
-from genrec.schemas.tables import REPLACED_INDEXES, metadata
+from genrec.schemas.tables import (
+    REPLACED_INDEXES,
+    metadata,
+    model_versions,
+    semantic_id_versions,
+)
 
 log = logging.getLogger("genrec.database")
 
@@ -113,6 +121,43 @@ def drop_replaced_indexes(engine: Engine) -> list[tuple[str, str]]:
                 connection.exec_driver_sql(f'DROP INDEX IF EXISTS "{name}"')
         dropped.append((table, name))
     return dropped
+
+
+def absolute_artifact_paths(
+    engine: Engine, data_dir: Path, rewrite: bool = False
+) -> list[tuple[str, int, str, str | None]]:
+    """(table, version, stored path, its relative form) of every model and semantic-ID
+    version whose artifact folder is stored absolute; the relative form is None where the
+    folder is not under ``data_dir`` (it stays as it is). ``rewrite``: store the relative
+    forms, in one transaction. One row per version: a store keeps a few dozen."""
+    data_dir = Path(data_dir).resolve()
+    found = []
+    with engine.begin() as connection:
+        for table in (model_versions, semantic_id_versions):
+            rows = connection.execute(
+                select(table.c.version, table.c.artifact_dir).where(
+                    table.c.artifact_dir.is_not(None)
+                )
+            ).all()
+            for version, stored in rows:
+                if not Path(stored).is_absolute():
+                    continue
+                relative = _under(Path(stored), data_dir)
+                found.append((table.name, int(version), stored, relative))
+                if rewrite and relative is not None:
+                    connection.execute(
+                        update(table)
+                        .where(table.c.version == version)
+                        .values(artifact_dir=relative)
+                    )
+    return found
+
+
+def _under(path: Path, root: Path) -> str | None:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:
+        return None
 
 
 def _warn_if_indexes_missing(engine: Engine) -> None:

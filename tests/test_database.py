@@ -15,7 +15,7 @@ from genrec.infra.database import (
     replaced_indexes,
 )
 from genrec.infra.settings import Settings, get_settings, redact_url
-from genrec.schemas.tables import events, serving_versions
+from genrec.schemas.tables import events, model_versions, semantic_id_versions, serving_versions
 
 
 def test_store_tables_are_created_and_writable(database_url):
@@ -166,6 +166,45 @@ def test_an_index_the_schema_replaced_is_dropped_once_its_replacement_is_built(
         assert main(["store", "indexes"]) == 0
     finally:
         get_settings.cache_clear()
+    engine.dispose()
+
+
+def test_absolute_artifact_paths_of_older_rows_are_rewritten_relative(
+    database_url, monkeypatch, capsys, tmp_path
+):
+    engine = make_engine(database_url)
+    data_dir = tmp_path / "var"
+    now = datetime.now(UTC)
+    with engine.begin() as connection:
+        connection.execute(insert(model_versions), [
+            {"version": 1, "preset": "tiny", "status": "retired", "created_at": now,
+             "artifact_dir": str(data_dir / "artifacts/models/v1")},
+            {"version": 2, "preset": "tiny", "status": "active", "created_at": now,
+             "artifact_dir": "artifacts/models/v2"},
+        ])  # fmt: skip
+        connection.execute(insert(semantic_id_versions), [
+            {"version": 1, "status": "complete", "active": True, "kind": "full",
+             "artifact_dir": "/elsewhere/semantic_ids/v1"},
+        ])  # fmt: skip
+    monkeypatch.setenv("GENREC_DATABASE_URL", database_url)
+    monkeypatch.setenv("GENREC_DATA_DIR", str(data_dir))
+    get_settings.cache_clear()
+    try:
+        assert main(["store", "artifact-paths"]) == 1  # listed, nothing changed
+        out = capsys.readouterr().out
+        assert "model_versions v1: " in out and "-> artifacts/models/v1 (absolute)" in out
+        assert "semantic_id_versions v1: /elsewhere/semantic_ids/v1 (outside" in out
+        assert main(["store", "artifact-paths", "--rewrite"]) == 1  # /elsewhere stays
+        assert "(rewritten)" in capsys.readouterr().out
+    finally:
+        get_settings.cache_clear()
+    with engine.connect() as connection:
+        stored = connection.execute(
+            select(model_versions.c.artifact_dir).order_by(model_versions.c.version)
+        ).scalars().all()  # fmt: skip
+        sid = connection.execute(select(semantic_id_versions.c.artifact_dir)).scalar()
+    assert stored == ["artifacts/models/v1", "artifacts/models/v2"]
+    assert sid == "/elsewhere/semantic_ids/v1"
     engine.dispose()
 
 
