@@ -31,6 +31,7 @@ from sqlalchemy import Engine, Index, create_engine, event, inspect, select, tex
 from sqlalchemy.engine import make_url
 from sqlalchemy.schema import CreateIndex
 
+from genrec.infra.settings import relative_path_under
 from genrec.schemas.tables import (
     REPLACED_INDEXES,
     metadata,
@@ -142,7 +143,7 @@ def absolute_artifact_paths(
             for version, stored in rows:
                 if not Path(stored).is_absolute():
                     continue
-                relative = _under(Path(stored), data_dir)
+                relative = relative_path_under(stored, data_dir)
                 found.append((table.name, int(version), stored, relative))
                 if rewrite and relative is not None:
                     connection.execute(
@@ -151,13 +152,6 @@ def absolute_artifact_paths(
                         .values(artifact_dir=relative)
                     )
     return found
-
-
-def _under(path: Path, root: Path) -> str | None:
-    try:
-        return path.relative_to(root).as_posix()
-    except ValueError:
-        return None
 
 
 def _warn_if_indexes_missing(engine: Engine) -> None:

@@ -42,6 +42,14 @@ def _default_home() -> Path:
     return Path.cwd()
 
 
+def relative_path_under(path: Path | str, root: Path | str) -> str | None:
+    """``path`` relative to ``root`` in POSIX form, or None where it does not lie under it."""
+    try:
+        return Path(path).relative_to(root).as_posix()
+    except ValueError:
+        return None
+
+
 # kafka-python's option -> librdkafka's (KafkaSettings.librdkafka_config)
 _LIBRDKAFKA_NAMES = {
     "security_protocol": "security.protocol",
@@ -663,12 +671,8 @@ class Settings(BaseSettings):
         >>> Settings(data_dir="/srv/genrec").stored_path("/srv/genrec/artifacts/models/v3")
         'artifacts/models/v3'
         """
-        path = Path(path)
         assert self.data_dir is not None
-        try:
-            return path.relative_to(self.data_dir).as_posix()
-        except ValueError:
-            return str(path)
+        return relative_path_under(path, self.data_dir) or str(path)
 
     def resolve_stored(self, stored: Path | str) -> Path:
         """The folder a store row names: a relative path under the data directory, an
