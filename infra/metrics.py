@@ -107,7 +107,7 @@ ACCEPTANCE_RATE = Histogram(
 FALLBACKS = Counter(
     "genrec_fallbacks_total",
     "Requests served on a degraded path.",
-    # no_prefix_kv|kv_store_unavailable|target_only|generative_error|branch_error|empty_history
+    # no_prefix_kv|kv_store_unavailable|prompt_limit|target_only|generative_error|branch_error|empty_history
     ["reason"],
 )
 PREFIX_KV_LOOKUPS = Counter(

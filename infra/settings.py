@@ -209,6 +209,12 @@ class OnlineSettings(BaseModel):
     reuse_prompt_kv: bool = True
     prompt_kv_lru_size: int = Field(default=4096, ge=0)  # users whose prompt KV is kept
     prompt_kv_lru_mb: float = Field(default=1024.0, gt=0)  # ... and at most this much of them
+    # Most items in a prompt decoded from a kept or cached prefix (unset: 2 x
+    # model.history_items). Between refreshes a prompt is the refresh's window plus every
+    # newer event; once that passes the limit the prompt starts again from the last
+    # history_items items (one full prefill), so no item is skipped and a prompt's cost,
+    # and a kept prompt's memory, stays bounded per user (online/served_prompts.py).
+    max_prompt_items: int | None = Field(default=None, ge=1)
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     # Recently served users' histories kept in memory, so a request reads only the rows
     # stored since (online/history_cache.py): at most this many events (~270 bytes each;
@@ -262,6 +268,11 @@ class OnlineSettings(BaseModel):
     def generative_beams(self) -> int:
         """``beam_width``, or twice ``k`` when unset."""
         return self.beam_width or 2 * self.k
+
+    def prompt_items_limit(self, history_items: int) -> int:
+        """``max_prompt_items`` (twice ``history_items`` when unset), never below
+        ``history_items``: a full prompt of the window always fits."""
+        return max(history_items, self.max_prompt_items or 2 * history_items)
 
     def transactional_id(self) -> str:
         """The exactly-once producer's ``transactional.id`` (``processing_guarantee``)."""

@@ -58,7 +58,7 @@ from genrec.online.history_cache import HistoryCache, UnstoredEvents
 from genrec.online.merge import merge_lists
 from genrec.online.prefix_kv_store import KVStoreUnavailable
 from genrec.online.prompts import history_prompt, history_tokens
-from genrec.online.served_prompts import ServedPrompts
+from genrec.online.served_prompts import ServedPrompts, starts
 from genrec.schemas.events import UserEvent
 from genrec.schemas.recommendations import RecommendationMessage, ScoredItem
 
@@ -98,6 +98,8 @@ class GenerativeRequest:
     prefix_kv: Any | None = None
     suffix_tokens: list[int] = field(default_factory=list)  # the items after the prefix's cutoff
     exclude: list[int] = field(default_factory=list)  # item rows masked (seen, if excluded)
+    prompt_items: int = 0  # items in the prompt decoded (prefix + suffix, or full_prompt)
+    last_event_id: str | None = None  # the history's newest event: where new items start
 
 
 @dataclass
@@ -452,7 +454,9 @@ class Recommender:
         if self.served is not None and batch.prompt_kvs is not None:
             for request, prompt_kv in zip(gen_requests, batch.prompt_kvs, strict=True):
                 if prompt_kv is not None:
-                    self.served.put(request.user_id, prompt_kv)
+                    self.served.put(
+                        request.user_id, prompt_kv, request.prompt_items, request.last_event_id
+                    )
         item_ids = decoder.item_tokens.item_ids
         lists = [
             [(item_ids[row], score) for row, score in items[: self.settings.k]]
@@ -468,56 +472,93 @@ class Recommender:
         self, request, history, bundle, stats, cached: tuple | None, store_down: bool
     ) -> GenerativeRequest:
         """``cached``: the user's ``(entry, prefix_kv)`` (None: decode the full prompt);
-        ``store_down``: none because the KV store was unreachable."""
+        ``store_down``: none because the KV store was unreachable.
+
+        The prompt, first that applies: the refresh's prefix + every newer item, or the
+        user's kept prompt + its new items, while that holds at most
+        ``online.max_prompt_items`` items (of the two the one whose cached part is
+        longer); else the full prompt of the last H items (online/served_prompts.py).
+        """
         item_tokens = bundle.decoder.item_tokens
         window = bundle.decoder.history_items
+        limit = self.settings.prompt_items_limit(window)
         item_ids = history.item_ids
         seen = []
         if self.settings.exclude_seen:
             rows = set(map(item_tokens.index.get, item_ids))  # one lookup an item, not two
             rows.discard(None)  # items the model does not know
             seen = sorted(rows)
-        full_prompt = history_prompt(item_ids, item_tokens, window)
-        gen = GenerativeRequest(request.user_id, full_prompt, exclude=seen)
+        window_items = item_tokens.last_known(item_ids, window)
+        full_prompt = history_prompt(window_items, item_tokens, window)
+        gen = GenerativeRequest(
+            request.user_id, full_prompt, exclude=seen, prompt_items=len(window_items),
+            last_event_id=history.event_ids[-1] if history.event_ids else None,
+        )  # fmt: skip
         entry, prefix_kv = cached or (None, None)
+        over_limit = False
         if prefix_kv is not None:
-            cutoff = entry.cutoff_event_row
-            suffix = [i for i, row in zip(item_ids, history.rows, strict=True)
-                      if row is None or row > cutoff]  # fmt: skip
-            gen.prefix_kv = prefix_kv
-            # The cached prompt was built by history_prompt at the refresh: the suffix is
-            # laid out by the same builder, so prefix + suffix is the prompt of the history.
-            gen.suffix_tokens = history_tokens(suffix, item_tokens, window)
-            stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
-        if self.served is not None and self._reuse_served_prompt(gen):
+            over_limit = not _extend_refresh_prefix(
+                gen, history, entry.cutoff_event_row, prefix_kv, bundle.decoder, limit
+            )
+            if not over_limit:
+                stats["prefix_cutoff_event_id"] = getattr(entry, "cutoff_event_id", None)
+        served = ""
+        if self.served is not None:
+            served = self._reuse_served_prompt(gen, history, item_tokens, limit)
+        if served == "served":
             stats["prefix_source"] = "served"
-        elif prefix_kv is None:
+        elif gen.prefix_kv is None:
             stats["path"] = "full_prompt"
             stats["prompt_tokens"] = len(full_prompt)
-            reason = "kv_store_unavailable" if store_down else "no_prefix_kv"
+            stats["prompt_items"] = gen.prompt_items
+            if over_limit or served == "over_limit":  # a cached prompt + newer items would
+                reason = "prompt_limit"  # pass the limit: start again from the window
+                stats["prompt_rebased"] = True
+            else:
+                reason = "kv_store_unavailable" if store_down else "no_prefix_kv"
             if store_down:
                 stats["fallback"] = reason
             metrics.FALLBACKS.labels(reason=reason).inc()
             return gen
         stats["path"] = "prefix_kv"
         stats["suffix_tokens"] = len(gen.suffix_tokens)
+        stats["prompt_items"] = gen.prompt_items
         return gen
 
-    def _reuse_served_prompt(self, gen: GenerativeRequest) -> bool:
-        """Decode from the KV of the user's last decoded prompt when that prompt is where this
-        one starts and longer than the refresh's prefix: only the newer tokens are prefilled."""
-        if gen.user_id not in self.served:
-            return False
-        if gen.prefix_kv is not None:
-            prompt = gen.prefix_kv.prompt_ids + list(gen.suffix_tokens)
+    def _reuse_served_prompt(self, gen: GenerativeRequest, history, item_tokens, limit) -> str:
+        """Decode from the KV of the user's last decoded prompt when that prompt plus the
+        user's new items holds at most ``limit`` items, is where this one starts, and is
+        longer than the refresh's prefix: only the newer tokens are prefilled.
+
+        Says "served" when it did, "over_limit" when the kept prompt would grow past
+        ``limit``, "" otherwise (none kept, or not where this prompt starts)."""
+        kept = self.served.get(gen.user_id)
+        if kept is None:
+            return ""
+        if gen.prefix_kv is not None:  # the refresh's prefix + newer items fit: that prompt
+            prompt, items = gen.prefix_kv.prompt_ids + list(gen.suffix_tokens), gen.prompt_items
         else:
-            prompt = gen.full_prompt
-        kept = self.served.kept_prefix_of(gen.user_id, prompt)
-        if kept is None or (gen.prefix_kv is not None and kept.length <= gen.prefix_kv.length):
-            return False
-        gen.prefix_kv, gen.suffix_tokens = kept, prompt[len(kept.prompt_ids) :]
+            most = limit - kept.prompt_items
+            new = _items_after(history, kept.last_event_id, item_tokens, most)
+            if new is None:
+                return ""
+            if new > most:
+                return "over_limit"
+            items = kept.prompt_items + new
+            prompt = (
+                history_prompt(history.item_ids, item_tokens, items)
+                if items
+                else [item_tokens.layout.bos_token_id]
+            )
+        kept_kv = kept.prompt_kv
+        if not starts(prompt, kept_kv.prompt_ids) or (
+            gen.prefix_kv is not None and kept_kv.length <= gen.prefix_kv.length
+        ):
+            return ""
+        gen.prefix_kv, gen.suffix_tokens = kept_kv, prompt[len(kept_kv.prompt_ids) :]
+        gen.prompt_items = items
         metrics.PREFIX_KV_LOOKUPS.labels(result="served").inc()
-        return True
+        return "served"
 
     # --- 3. branches, 5. merge ----------------------------------------------------------
 
@@ -622,6 +663,48 @@ def _with_semantic_id(item: ScoredItem | dict[str, Any], codes: Mapping[str, lis
     if item.get("branch") == GENERATIVE and item["item_id"] in codes:
         return {**item, "semantic_id": codes[item["item_id"]]}
     return item
+
+
+def _extend_refresh_prefix(gen, history, cutoff_row: int, prefix_kv, decoder, limit: int) -> bool:
+    """Prompt ``gen`` as the refresh's cached prefix + every known item after its cutoff
+    (store row ``cutoff_row``), if that holds at most ``limit`` items (else leave ``gen``
+    and say False)."""
+    item_tokens = decoder.item_tokens
+    before, suffix = 0, []
+    for item_id, row in zip(history.item_ids, history.rows, strict=True):
+        if item_id not in item_tokens.index:
+            continue  # new items wait for the next refresh, here as at the refresh
+        if row is None or row > cutoff_row:
+            suffix.append(item_id)
+        else:
+            before += 1
+    # The cached prompt was built by history_prompt at the refresh, from the last H of the
+    # items before the cutoff: the suffix is laid out by the same builder, so prefix +
+    # suffix is the prompt of those items and every newer one.
+    prefix_items = min(before, decoder.history_items)
+    if prefix_items + len(suffix) > limit:
+        return False
+    gen.prefix_kv = prefix_kv
+    gen.suffix_tokens = history_tokens(suffix, item_tokens, len(suffix)) if suffix else []
+    gen.prompt_items = prefix_items + len(suffix)
+    return True
+
+
+def _items_after(history, event_id: str | None, item_tokens, most: int) -> int | None:
+    """How many known items ``history`` has after the event ``event_id``, walking back from
+    its end: ``most + 1`` as soon as there are more than ``most`` (the walk stops there),
+    None when the event is not in ``history``."""
+    if event_id is None:
+        return None
+    count, index = 0, item_tokens.index
+    for i in range(len(history.event_ids) - 1, -1, -1):
+        if count > most:
+            return count
+        if history.event_ids[i] == event_id:
+            return count
+        if history.item_ids[i] in index:
+            count += 1
+    return None
 
 
 def _observe_decoding(stats: Mapping[str, Any]) -> None:

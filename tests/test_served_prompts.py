@@ -3,6 +3,7 @@ the KV of their previous prompt giving the items of decoding the whole prompt.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from genrec.online.models.generative import GenerativeModels
 from genrec.online.models.presets import build_draft, build_target, get_preset
 from genrec.online.prompts import ItemTokens
 from genrec.online.recommender import ModelDecoder, Recommender, Request
-from genrec.online.served_prompts import ServedPrompts
+from genrec.online.served_prompts import ServedPrompts, starts
 from genrec.schemas.events import UserEvent
 from genrec.schemas.token_layout import TokenLayout
 
@@ -30,12 +31,14 @@ def kept(tokens: list[int], width: int = 10) -> PrefixKV:
 
 def test_a_kept_prompt_is_used_only_where_the_new_prompt_starts_with_it():
     served = ServedPrompts(size=10, max_bytes=10**6)
-    served.put("u", kept([1, 5, 6, 7]))
-    assert served.kept_prefix_of("u", [1, 5, 6, 7, 8, 9]).prompt_ids == [1, 5, 6, 7]
-    assert served.kept_prefix_of("u", [1, 5, 6, 7]) is not None  # nothing newer: all cached
-    assert served.kept_prefix_of("u", [1, 5, 6]) is None  # shorter
-    assert served.kept_prefix_of("u", [1, 6, 5, 7, 8]) is None  # another order (late event)
-    assert served.kept_prefix_of("v", [1, 5, 6, 7, 8]) is None
+    served.put("u", kept([1, 5, 6, 7]), prompt_items=3, last_event_id="e3")
+    entry = served.get("u")
+    assert (entry.prompt_items, entry.last_event_id) == (3, "e3")
+    assert starts([1, 5, 6, 7, 8, 9], entry.prompt_kv.prompt_ids)
+    assert starts([1, 5, 6, 7], entry.prompt_kv.prompt_ids)  # nothing newer: all cached
+    assert not starts([1, 5, 6], entry.prompt_kv.prompt_ids)  # shorter
+    assert not starts([1, 6, 5, 7, 8], entry.prompt_kv.prompt_ids)  # another order (late event)
+    assert served.get("v") is None
 
 
 def test_the_lru_is_bounded_by_users_and_by_bytes():
@@ -109,3 +112,44 @@ def test_the_next_request_prefills_only_its_new_events_and_gets_the_same_items(
             depth = models.item_tokens.layout.depth
             assert [m.decoding["suffix_tokens"] for m in with_reuse] == [depth, 2 * depth]
     assert len(reusing.served) == 2 and reusing.served.nbytes > 0
+
+
+@pytest.mark.parametrize("mode", ["target", "strict"])
+def test_a_long_history_grows_its_kept_prompt_to_the_limit_then_starts_again(
+    tmp_path: Path, models, mode: str
+):
+    # No refresh cache, H = 4 and at most 6 items a prompt: each request's prompt is the
+    # kept one plus the new item (4, 5, 6 items), then the window of the last 4 again.
+    # Every request's items are those of decoding that prompt whole (a plain decoder whose
+    # window is that many items).
+    engine = make_engine(f"sqlite:///{tmp_path / 'genrec.db'}")
+    rows = [{"event_id": f"a-{n}", "user_id": "a", "item_id": f"i{n}", "event_type": "view",
+             "ts_ms": 1000 * (n + 1)} for n in range(10)]  # fmt: skip
+    write_events(engine, rows)
+
+    def recommender(history_items: int, reuse: bool) -> tuple[Recommender, ServingBundle]:
+        settings = Settings(online={"k": 5, "mode": mode, "draft_beams": 16,
+                                    "reuse_prompt_kv": reuse, "max_prompt_items": 6})  # fmt: skip
+        windowed = dataclasses.replace(models, history_items=history_items)
+        return Recommender(settings, engine), ServingBundle("v1", decoder=ModelDecoder(
+            windowed, settings.online))  # fmt: skip
+
+    reusing, bundle = recommender(4, reuse=True)
+    plain = {n: recommender(n, reuse=False) for n in (4, 5, 6)}
+    for round_index, items in enumerate([4, 5, 6, 4, 5]):
+        n = 10 + round_index
+        new = UserEvent(event_id=f"a-{n}", user_id="a", item_id=f"i{n}", event_type="view",
+                        ts=1000 * (n + 1))  # fmt: skip
+        write_events(engine, [{"event_id": new.event_id, "user_id": "a", "item_id": new.item_id,
+                               "event_type": "view", "ts_ms": new.ts}])  # fmt: skip
+        [got] = reusing.finish(reusing.prepare([Request.of([new])], bundle))
+        other, other_bundle = plain[items]
+        [expected] = other.finish(other.prepare([Request.of([new])], other_bundle))
+        assert got.branches["generative"] == expected.branches["generative"]
+        assert got.decoding["prompt_items"] == items
+        kept = round_index in (1, 2, 4)
+        assert got.decoding["path"] == ("prefix_kv" if kept else "full_prompt")
+        assert got.decoding.get("prefix_source") == ("served" if kept else None)
+        assert got.decoding.get("prompt_rebased", False) == (round_index == 3)
+        if kept:  # only the new item's tokens were prefilled
+            assert got.decoding["suffix_tokens"] == models.item_tokens.layout.depth
