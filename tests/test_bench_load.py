@@ -189,10 +189,15 @@ def test_answer_book_keeps_the_first_messages_decoding_figures() -> None:
     book.record([{"event_id": "e1", "latency_ms": 3.0, "decoding": decoding}], 1.0)
     book.record([{"event_id": "e1", "decoding": {"batch_users": 9}}], 2.0)  # a redelivery
     book.record([{"event_id": "e2", "decoding": {"batch_users": True, "suffix_tokens": "x"}}], 3.0)
-    answers = book.lookup(["e1", "e2", "e3"])
-    assert answers.batch_users == {"e1": 7} and answers.suffix_tokens == {"e1": 4}
-    assert answers.times == {"e1": 2, "e2": 1} and answers.first_at == {"e1": 1.0, "e2": 3.0}
-    assert answers.worker_ms == {"e1": 3.0} and answers.requests == 3
+    book.record(
+        [{"event_id": "e4", "decoding": {"path": "full_prompt", "prompt_tokens": 201}}], 4.0
+    )
+    answers = book.lookup(["e1", "e2", "e3", "e4"])
+    assert answers.batch_users == {"e1": 7}
+    assert answers.suffix_tokens == {"e1": 4, "e4": 201}  # a full prompt is prefilled whole
+    assert answers.times == {"e1": 2, "e2": 1, "e4": 1}
+    assert answers.first_at == {"e1": 1.0, "e2": 3.0, "e4": 4.0}
+    assert answers.worker_ms == {"e1": 3.0} and answers.requests == 4
     assert book.missing(["e1", "e3"]) == 1
 
 

@@ -17,9 +17,10 @@ after a drain wait, events answered twice, and the CPU (utime + stime from /proc
 core) of the workers and, beside it, of the host's other parts of the path: the ``genrec
 ingest`` it started, the local broker (``genrec kafka up``'s, when it runs on this host) and
 the bench itself. From the messages' ``decoding`` it also reports the users per decoding
-call (the batch grows with load) and the median suffix the target prefilled past the
-cached prefix (tokens: how far the store has moved on since the last refresh; a long
-suffix costs every request, so refresh before comparing runs). A step overloads when its
+call (the batch grows with load) and the median tokens the target prefilled: the suffix
+past the cached prefix, or the whole prompt where none was cached (how far the store has
+moved on since the last refresh; a long suffix costs every request, so refresh before
+comparing runs). A step overloads when its
 p99 exceeds ``p99_ms`` or an event is left unanswered; each phase stops after the first
 step that overloads, and its held rate is the highest offered rate that did not.
 
@@ -231,7 +232,8 @@ class StepResult:
     broker_cpu_pct: float | None = None
     bench_cpu_pct: float | None = None
     batch_users_mean: float | None = None  # users per decoding call, over the step's messages
-    suffix_tokens_p50: float | None = None  # tokens prefilled past the cached prefix
+    # tokens prefilled: past the cached prefix, or the whole prompt where none was cached
+    suffix_tokens_p50: float | None = None
 
 
 def latency_figures(latencies_ms: Sequence[float]) -> dict[str, float | None]:
@@ -495,11 +497,13 @@ class AnswerBook:
                     self._times[event_id] += 1
 
     def _record_decoding(self, trigger: str, decoding: Any) -> None:
-        """The first message's batch size and suffix length, where it gives them."""
+        """The first message's batch size and tokens prefilled (the suffix, or the whole
+        prompt of a full-prompt decode), where it gives them."""
         if not isinstance(decoding, Mapping):
             return
+        prefilled = "suffix_tokens" if "suffix_tokens" in decoding else "prompt_tokens"
         for key, figures in (("batch_users", self._batch_users),
-                             ("suffix_tokens", self._suffix_tokens)):  # fmt: skip
+                             (prefilled, self._suffix_tokens)):  # fmt: skip
             value = decoding.get(key)
             if isinstance(value, int) and not isinstance(value, bool):
                 figures.setdefault(trigger, value)
