@@ -3,7 +3,7 @@
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
 ``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``, ``bench refresh-executor``,
-``bench scale``.
+``bench scale``, ``bench sessions``.
 
 Example::
 
@@ -113,6 +113,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     _register_prefix_kv_read(bench)
     _register_refresh_executor(bench)
     _register_scale(bench)
+    _register_sessions(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +249,46 @@ def _register_prefix_kv_read(bench: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     kv_read.add_argument("--json", type=Path, default=None, help="also write the figures here")
     kv_read.set_defaults(handler=_bench_prefix_kv_read)
+
+
+def _register_sessions(bench: argparse._SubParsersAction) -> None:
+    sessions = bench.add_parser(
+        "sessions", help="long sessions between refreshes: kept prompts vs none, side by side",
+        description="Users who keep sending events, served in turn three ways from the active "
+        "serving version: kept prompts (online.max_prompt_items as set), kept prompts limited "
+        "to H items, no kept prompts. Histories in memory (the store is not written); per way "
+        "ms per request, tokens prefilled and the time over the first way's.",
+    )  # fmt: skip
+    sessions.add_argument("--users", type=int, default=40, help="store users (a seeded sample)")
+    sessions.add_argument("--events", type=int, default=40, help="new events per user")
+    sessions.add_argument("--batch-users", type=int, default=4, help="users per request batch")
+    sessions.add_argument("--seed", type=int, default=0)
+    sessions.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    sessions.set_defaults(handler=_bench_sessions)
+
+
+def _bench_sessions(args: argparse.Namespace) -> int:
+    import torch
+
+    from genrec.app.bench.sessions import print_report, run_sessions_bench
+    from genrec.infra.database import make_engine
+
+    settings = get_settings()
+    torch.set_num_threads(settings.online.torch_threads)
+    engine = make_engine(settings.database_url)
+    try:
+        report = run_sessions_bench(
+            settings, engine, users=args.users, events=args.events,
+            batch_users=args.batch_users, seed=args.seed,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise UserFacingError(str(exc)) from exc
+    finally:
+        engine.dispose()
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
 
 
 def _bench_prefix_kv_read(args: argparse.Namespace) -> int:
