@@ -13,9 +13,10 @@ Which prompt: a kept prompt of ``n`` items grows by the user's new items (those 
 its ``last_event_id``) up to ``online.max_prompt_items`` (default 2H, H =
 ``model.history_items``); past that the next request decodes the full prompt of the
 last H items, which is kept and grows again. So the model never sees a history with a
-gap, a prompt holds H to 2H items, and one request in about H per user pays a full
-prefill. (A prompt that always held the last H items would slide with every event of a
-user past H items, and no kept prompt would ever match.)
+gap, a prompt holds at most 2H items (at least H once a user has that many), and one
+request in about H per user pays a full prefill. (A prompt that always held the last H
+items would slide with every event of a user past H items, and no kept prompt would
+ever match.)
 
 Memory: an LRU bounded by users (``online.prompt_kv_lru_size``) and bytes
 (``online.prompt_kv_lru_mb``); per user about (prompt tokens) x layers x 2 x KV width
