@@ -17,12 +17,13 @@ most ``H`` items, so the online path can keep the KV cache of the long history a
 prefill only the new suffix. Once a user has more than ``H`` items the window
 slides and the prefix changes: the online path then keeps using the cached prefix
 (the window computed at the last offline refresh, or the user's last decoded
-prompt) extended by every new event, up to ``online.max_prompt_items`` items (2H by
-default), and starts again from the last ``H`` items past that; every refresh
-recomputes the cache from the latest window. Serving prompts thus hold up to 2H
+prompt) extended by every new event, up to ``online.max_prompt_items`` items (1.5H
+by default), and starts again from the last ``H`` items past that; every refresh
+recomputes the cache from the latest window. Serving prompts thus hold up to 1.5H
 items where training windows hold H + 1: positions past a training window are
-rotary ones training never saw (the path before this limit decoded up to 2H items
-too, H cached and H of suffix); ``max_prompt_items = H`` keeps serving within the
+rotary ones training never saw, and the generative hit rate drops a little with
+them (settings.py has the figures; the path before this limit decoded up to 2H
+items, H cached and H of suffix); ``max_prompt_items = H`` keeps serving within the
 training length, at one full prefill per request for users past H items.
 
 Training uses the same layout on whole windows of a user's sequence: one causal

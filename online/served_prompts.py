@@ -10,17 +10,17 @@ nothing changes when an event arrives out of order, it is just not used. The ide
 vLLM's automatic prefix caching, per user.
 
 Which prompt: a kept prompt of ``n`` items grows by the user's new items (those after
-its ``last_event_id``) up to ``online.max_prompt_items`` (default 2H, H =
+its ``last_event_id``) up to ``online.max_prompt_items`` (default 1.5H, H =
 ``model.history_items``); past that the next request decodes the full prompt of the
 last H items, which is kept and grows again. So the model never sees a history with a
-gap, a prompt holds at most 2H items (at least H once a user has that many), and one
-request in about H per user pays a full prefill. (A prompt that always held the last H
+gap, a prompt holds at most 1.5H items (at least H once a user has that many), and one
+request in about H/2 per user pays a full prefill. (A prompt that always held the last H
 items would slide with every event of a user past H items, and no kept prompt would
 ever match.)
 
 Memory: an LRU bounded by users (``online.prompt_kv_lru_size``) and bytes
 (``online.prompt_kv_lru_mb``); per user about (prompt tokens) x layers x 2 x KV width
-(the `small` target ~1.5 KB a token, so ~0.3-0.6 MB for a prompt of 50-100 items;
+(the `small` target ~1.5 KB a token, so ~0.3-0.45 MB for a prompt of 50-75 items;
 SmolLM2-135M ~45 KB a token). It grows with the users a worker sees, never with the
 catalog or the event log, and is dropped when the serving version changes. Thread-safe.
 

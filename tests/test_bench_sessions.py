@@ -39,15 +39,15 @@ def test_sessions_bench_grows_kept_prompts_to_the_limit(serving_home: Path, tmp_
             return connection.execute(select(func.count()).select_from(events)).scalar_one()
 
     before = stored()
-    # H = 20 in the small version: 30 new events take most users past 2H = 40 items
+    # H = 20 in the small version: 30 new events take most users past 1.5H = 30 items
     report = run_sessions_bench(settings, engine, users=6, events=30, batch_users=3, seed=1)
     assert stored() == before  # histories in memory: nothing written
-    assert report["history_items"] == 20 and report["max_prompt_items"] == 40
+    assert report["history_items"] == 20 and report["max_prompt_items"] == 30
     kept, limit_h, none = report["sides"]
     assert [s["name"] for s in report["sides"]] == ["kept", "kept, limit H", "none"]
     assert all(s["requests"] == 6 * 30 for s in report["sides"])
     assert kept["served"] > limit_h["served"] and none["served"] == 0
-    assert kept["rebased"] > 0  # some user's kept prompt reached 40 items and started again
+    assert kept["rebased"] > 0  # some user's kept prompt reached 30 items and started again
     assert kept["prefilled_tokens_mean"] < limit_h["prefilled_tokens_mean"]
     assert kept["prefilled_tokens_mean"] < none["prefilled_tokens_mean"]
     assert kept["time_vs_kept"] == 1.0

@@ -182,8 +182,8 @@ def test_online_prompt_is_the_cached_prefix_followed_by_the_suffix(store, cutoff
 
 def test_past_the_prompt_limit_the_prompt_starts_again_from_the_window(store) -> None:
     # H = 2: user 7's cached prefix is items 1, 2 (cutoff at their second stored event).
-    # The prompt grows by every newer item up to 2H = 4 items; the fifth would pass it,
-    # and the old rule (the suffix capped at H) would have skipped item 3. Instead the
+    # The prompt grows by every newer item up to 4 items; the fifth would pass it, and
+    # the old rule (the suffix capped at H) would have skipped item 3. Instead the
     # prompt is the window of the last H items, decoded in full.
     decoder = FakeDecoder()
     decoder.history_items = 2
@@ -191,12 +191,13 @@ def test_past_the_prompt_limit_the_prompt_starts_again_from_the_window(store) ->
     kv_store = PromptKVStore(store, {"7": Entry(2, 2000, "s2")}, tokens, decoder.history_items)
     served = bundle(decoder, kv_store)
     grown = Request.of([event("k1", "7", "4", 4000)])
-    [message] = Recommender(Settings(online={"k": 3}), store).recommend([grown], served)
+    four = Settings(online={"k": 3, "max_prompt_items": 4})
+    [message] = Recommender(four, store).recommend([grown], served)
     gen = decoder.calls[-1][0]
     assert gen.prefix_kv.prompt_ids + gen.suffix_tokens == history_prompt(list("1234"), tokens, 4)
     assert message.decoding["path"] == "prefix_kv" and message.decoding["prompt_items"] == 4
     past = Request.of([event("k1", "7", "4", 4000), event("k2", "7", "5", 5000)])
-    [message] = Recommender(Settings(online={"k": 3}), store).recommend([past], served)
+    [message] = Recommender(four, store).recommend([past], served)
     gen = decoder.calls[-1][0]
     assert gen.prefix_kv is None and gen.full_prompt == history_prompt(["4", "5"], tokens, 2)
     assert message.decoding["path"] == "full_prompt" and message.decoding["prompt_rebased"]
@@ -205,6 +206,7 @@ def test_past_the_prompt_limit_the_prompt_starts_again_from_the_window(store) ->
     gen = decoder.calls[-1][0]
     assert gen.prefix_kv.prompt_ids + gen.suffix_tokens == history_prompt(list("12345"), tokens, 5)
     assert Settings(online={"max_prompt_items": 1}).online.prompt_items_limit(2) == 2
+    assert Settings().online.prompt_items_limit(50) == 75  # unset: 1.5 x H
 
 
 def test_an_event_served_before_ingest_stored_it_stays_in_the_next_history(store) -> None:

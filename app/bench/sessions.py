@@ -8,7 +8,7 @@ every newer item, or the user's last decoded prompt plus its new items, up to
 serves the same sessions three ways, one ``Recommender`` each, on the active serving
 version:
 
-- ``kept``: the settings as they are (kept prompts, the limit as set: 2H by default);
+- ``kept``: the settings as they are (kept prompts, the limit as set: 1.5H by default);
 - ``kept, limit H``: kept prompts with ``max_prompt_items = H``, so a user past H items
   starts again from the window on every request;
 - ``none``: no kept prompts (``reuse_prompt_kv`` off): only the refresh's prefix.
