@@ -217,7 +217,7 @@ class OnlineSettings(BaseModel):
     # Prompts longer than the training window cost some generative hit rate: replaying
     # the demo's last 20%, HR@10 0.2233 / 0.2227 / 0.2216 / 0.2191 at a limit of 1 /
     # 1.2 / 1.5 / 2 x H (merged 0.2280-0.2289 throughout); a lower limit prefills the
-    # whole window more often (docs/online.md).
+    # whole window more often (`genrec bench prompt-limits`, docs/online.md).
     max_prompt_items: int | None = Field(default=None, ge=1)
     max_history_events: int = Field(default=1000, ge=1)  # newest store events read per user
     # Recently served users' histories kept in memory, so a request reads only the rows

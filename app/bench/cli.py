@@ -3,7 +3,7 @@
 They load what the lower layers build (trained versions, the store, a local PostgreSQL)
 and time it, so they sit at the top: ``bench ingest``, ``bench serve``, ``bench decode``,
 ``bench load``, ``bench prefix-kv``, ``bench prefix-kv-read``, ``bench refresh-executor``,
-``bench scale``, ``bench sessions``.
+``bench scale``, ``bench sessions``, ``bench prompt-limits``.
 
 Example::
 
@@ -114,6 +114,7 @@ def register(commands: argparse._SubParsersAction, groups) -> None:
     _register_refresh_executor(bench)
     _register_scale(bench)
     _register_sessions(bench)
+    _register_prompt_limits(bench)
 
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
@@ -281,6 +282,46 @@ def _bench_sessions(args: argparse.Namespace) -> int:
             settings, engine, users=args.users, events=args.events,
             batch_users=args.batch_users, seed=args.seed,
         )  # fmt: skip
+    except ValueError as exc:
+        raise UserFacingError(str(exc)) from exc
+    finally:
+        engine.dispose()
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _register_prompt_limits(bench: argparse._SubParsersAction) -> None:
+    limits = bench.add_parser(
+        "prompt-limits", help="events since the refresh replayed per online.max_prompt_items",
+        description="Replay the events stored after the serving prefix-KV cutoff through one "
+        "Recommender per --limits value (online.max_prompt_items), each event served by every "
+        "limit in turn from in-memory histories (the store is not written); per limit the "
+        "prequential HR@k of the generative and merged lists, ms per request and the time "
+        "over the first limit's.",
+    )  # fmt: skip
+    limits.add_argument("--limits", default="50,75,100", help="items, comma-separated")
+    limits.add_argument("--max-events", type=int, default=20_000, help="events replayed")
+    limits.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    limits.set_defaults(handler=_bench_prompt_limits)
+
+
+def _bench_prompt_limits(args: argparse.Namespace) -> int:
+    import torch
+
+    from genrec.app.bench.prompt_limits import print_report, run_prompt_limits_bench
+    from genrec.app.bench.sessions import serving_bundle
+    from genrec.infra.database import make_engine
+
+    settings = get_settings()
+    torch.set_num_threads(settings.online.torch_threads)
+    engine = make_engine(settings.database_url)
+    try:
+        values = [int(v) for v in args.limits.split(",") if v.strip()]
+        report = run_prompt_limits_bench(
+            settings, engine, serving_bundle(settings, engine), values, args.max_events
+        )
     except ValueError as exc:
         raise UserFacingError(str(exc)) from exc
     finally:

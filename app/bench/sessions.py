@@ -85,7 +85,7 @@ def run_sessions_bench(
     """Serve ``users`` x ``events`` session events three ways (module docstring); the figures."""
     if users < 1 or events < 1 or batch_users < 1:
         raise ValueError("--users, --events and --batch-users must be >= 1")
-    bundle = _serving_bundle(settings, engine)
+    bundle = serving_bundle(settings, engine)
     if bundle.decoder is None:
         raise ValueError("the active serving version has no generative decoder to measure")
     window = bundle.decoder.history_items
@@ -172,7 +172,8 @@ def _sampled_histories(settings: Settings, engine, users: int, rng) -> dict[str,
     return load_histories_of(engine, chosen, newest=settings.online.max_history_events)
 
 
-def _serving_bundle(settings: Settings, engine):
+def serving_bundle(settings: Settings, engine):
+    """The active serving version, loaded once (no watching for the next)."""
     versions = ServingVersions(
         probe=lambda: active_serving_key(engine),
         load=lambda key: load_serving_bundle(settings, engine, key),
