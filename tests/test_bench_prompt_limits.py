@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
 
 from genrec.app.bench.prompt_limits import print_report, run_prompt_limits_bench
 from genrec.app.bench.sessions import serving_bundle
@@ -17,7 +16,7 @@ from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
 from genrec.ingest.history import load_item_ids
 from genrec.ingest.store import write_events
-from genrec.schemas.tables import events
+from tests.helpers import count_rows
 
 
 @pytest.mark.slow
@@ -35,13 +34,9 @@ def test_prompt_limits_replays_the_events_since_the_refresh(serving_home: Path, 
              "event_type": "view", "ts_ms": 10**13 + 1000 * n} for n in range(15) for u in "123"]  # fmt: skip
     write_events(engine, rows)
 
-    def stored() -> int:
-        with engine.connect() as connection:
-            return connection.execute(select(func.count()).select_from(events)).scalar_one()
-
-    before = stored()
+    before = count_rows(settings.database_url)
     report = run_prompt_limits_bench(settings, engine, bundle, [20, 30])
-    assert stored() == before
+    assert count_rows(settings.database_url) == before
     assert report["events"] == 45 and report["scored"] == 42  # each user's first is not scored
     tight, wide = report["limits"]
     assert (tight["limit"], wide["limit"]) == (20, 30)

@@ -9,12 +9,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select
 
-from genrec.app.bench.sessions import _batches, print_report, run_sessions_bench
+from genrec.app.bench.sessions import _batches, print_report, run_sessions_bench, serving_bundle
 from genrec.infra.database import make_engine
 from genrec.infra.settings import Settings
-from genrec.schemas.tables import events
+from tests.helpers import count_rows
 
 
 def test_every_round_sends_every_user_once_in_batches_of_distinct_users() -> None:
@@ -33,15 +32,11 @@ def test_sessions_bench_grows_kept_prompts_to_the_limit(serving_home: Path, tmp_
     shutil.copytree(serving_home, home)
     settings = Settings(home=home)
     engine = make_engine(settings.database_url)
-
-    def stored() -> int:
-        with engine.connect() as connection:
-            return connection.execute(select(func.count()).select_from(events)).scalar_one()
-
-    before = stored()
+    bundle = serving_bundle(settings, engine)
+    before = count_rows(settings.database_url)
     # H = 20 in the small version: 30 new events take most users past 1.5H = 30 items
-    report = run_sessions_bench(settings, engine, users=6, events=30, batch_users=3, seed=1)
-    assert stored() == before  # histories in memory: nothing written
+    report = run_sessions_bench(settings, engine, bundle, users=6, events=30, batch_users=3, seed=1)
+    assert count_rows(settings.database_url) == before  # histories in memory: nothing written
     assert report["history_items"] == 20 and report["max_prompt_items"] == 30
     kept, limit_h, none = report["sides"]
     assert [s["name"] for s in report["sides"]] == ["kept", "kept, limit H", "none"]

@@ -269,27 +269,15 @@ def _register_sessions(bench: argparse._SubParsersAction) -> None:
 
 
 def _bench_sessions(args: argparse.Namespace) -> int:
-    import torch
-
     from genrec.app.bench.sessions import print_report, run_sessions_bench
-    from genrec.infra.database import make_engine
 
-    settings = get_settings()
-    torch.set_num_threads(settings.online.torch_threads)
-    engine = make_engine(settings.database_url)
-    try:
-        report = run_sessions_bench(
-            settings, engine, users=args.users, events=args.events,
+    def run(settings, engine, bundle) -> dict:
+        return run_sessions_bench(
+            settings, engine, bundle, users=args.users, events=args.events,
             batch_users=args.batch_users, seed=args.seed,
         )  # fmt: skip
-    except ValueError as exc:
-        raise UserFacingError(str(exc)) from exc
-    finally:
-        engine.dispose()
-    print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+
+    return _run_serving_bench(run, print_report, args.json)
 
 
 def _register_prompt_limits(bench: argparse._SubParsersAction) -> None:
@@ -308,9 +296,20 @@ def _register_prompt_limits(bench: argparse._SubParsersAction) -> None:
 
 
 def _bench_prompt_limits(args: argparse.Namespace) -> int:
+    from genrec.app.bench.prompt_limits import print_report, run_prompt_limits_bench
+
+    def run(settings, engine, bundle) -> dict:
+        values = [int(v) for v in args.limits.split(",") if v.strip()]
+        return run_prompt_limits_bench(settings, engine, bundle, values, args.max_events)
+
+    return _run_serving_bench(run, print_report, args.json)
+
+
+def _run_serving_bench(run, print_report, json_path: Path | None) -> int:
+    """A bench of the active serving version: ``run(settings, engine, bundle)``'s report,
+    printed, and written to ``json_path`` as JSON; a ValueError is the user's to fix."""
     import torch
 
-    from genrec.app.bench.prompt_limits import print_report, run_prompt_limits_bench
     from genrec.app.bench.sessions import serving_bundle
     from genrec.infra.database import make_engine
 
@@ -318,17 +317,14 @@ def _bench_prompt_limits(args: argparse.Namespace) -> int:
     torch.set_num_threads(settings.online.torch_threads)
     engine = make_engine(settings.database_url)
     try:
-        values = [int(v) for v in args.limits.split(",") if v.strip()]
-        report = run_prompt_limits_bench(
-            settings, engine, serving_bundle(settings, engine), values, args.max_events
-        )
+        report = run(settings, engine, serving_bundle(settings, engine))
     except ValueError as exc:
         raise UserFacingError(str(exc)) from exc
     finally:
         engine.dispose()
     print_report(report)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 
 

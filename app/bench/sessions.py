@@ -46,7 +46,7 @@ from genrec.app.bench.load import EventPicker
 from genrec.infra.progress import progress_bar
 from genrec.infra.settings import Settings
 from genrec.ingest.history import History, HistoryEvent, load_histories_of, load_item_ids
-from genrec.online.live_version import ServingVersions, active_serving_key, load_serving_bundle
+from genrec.online.live_version import active_serving_key, load_serving_bundle
 from genrec.online.recommender import Recommender, Request
 from genrec.schemas.tables import events as events_table
 
@@ -79,13 +79,13 @@ class SideFigures:
 
 
 def run_sessions_bench(
-    settings: Settings, engine, *, users: int = 40, events: int = 40, batch_users: int = 4,
-    seed: int = 0,
+    settings: Settings, engine, bundle, *, users: int = 40, events: int = 40,
+    batch_users: int = 4, seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Serve ``users`` x ``events`` session events three ways (module docstring); the figures."""
+    """Serve ``users`` x ``events`` session events three ways (module docstring) with
+    ``bundle`` (the serving version to decode with); the figures."""
     if users < 1 or events < 1 or batch_users < 1:
         raise ValueError("--users, --events and --batch-users must be >= 1")
-    bundle = serving_bundle(settings, engine)
     if bundle.decoder is None:
         raise ValueError("the active serving version has no generative decoder to measure")
     window = bundle.decoder.history_items
@@ -174,12 +174,10 @@ def _sampled_histories(settings: Settings, engine, users: int, rng) -> dict[str,
 
 def serving_bundle(settings: Settings, engine):
     """The active serving version, loaded once (no watching for the next)."""
-    versions = ServingVersions(
-        probe=lambda: active_serving_key(engine),
-        load=lambda key: load_serving_bundle(settings, engine, key),
-        poll_s=3600.0,
-    ).start(background=False)
-    return versions.current()
+    key = active_serving_key(engine)
+    if key is None:
+        raise ValueError("no serving version is active: run `genrec offline refresh` first")
+    return load_serving_bundle(settings, engine, key)
 
 
 def _with_online(settings: Settings, changes: dict[str, Any]) -> Settings:
